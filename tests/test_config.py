@@ -1,0 +1,62 @@
+import dataclasses
+
+import pytest
+
+from zpp_jax import ZeroPPConfig
+
+
+def test_defaults_are_full_zeropp():
+    c = ZeroPPConfig()
+    assert c.quantize_weights and c.hpz and c.quantize_gradients
+    assert (c.weight_bits, c.gradient_bits) == (8, 4)
+
+
+def test_zero3_switches_everything_off():
+    c = ZeroPPConfig.zero3()
+    assert not (c.quantize_weights or c.hpz or c.quantize_gradients or c.error_feedback)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(quantize_weights=True, hpz=False, quantize_gradients=False),
+        dict(quantize_weights=False, hpz=True, quantize_gradients=False),
+        dict(quantize_weights=False, hpz=False, quantize_gradients=True),
+        dict(quantize_weights=False, hpz=False, quantize_gradients=True, error_feedback=True),
+        dict(weight_bits=4, gradient_bits=8),
+    ],
+)
+def test_each_technique_switches_alone(kwargs):
+    c = ZeroPPConfig(**kwargs)
+    for k, v in kwargs.items():
+        assert getattr(c, k) == v
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ZeroPPConfig().hpz = False
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(weight_bits=2), "weight_bits=2 is not supported"),
+        (dict(gradient_bits=16), "gradient_bits=16 is not supported"),
+        (dict(block_size=0), "block_size must be a positive int"),
+        (dict(block_size=-4), "block_size must be a positive int"),
+        (dict(block_size=255), "block_size=255 is odd"),
+        (dict(error_feedback=True, quantize_gradients=False), "needs quantize_gradients=True"),
+        (dict(residual_dtype="int8"), "residual_dtype='int8'"),
+        (dict(comm_dtype="int8"), "comm_dtype='int8'"),
+        (dict(hpz=1), "hpz must be a bool"),
+    ],
+)
+def test_bad_values_name_the_problem(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ZeroPPConfig(**kwargs)
+
+
+def test_odd_block_is_fine_without_int4():
+    assert ZeroPPConfig(block_size=255, gradient_bits=8).block_size == 255
+    with pytest.raises(ValueError, match="odd"):
+        ZeroPPConfig().replace(block_size=33)

@@ -1,0 +1,55 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zpp_jax import FlatLayout, shard_params, unshard_params
+
+
+def _tree():
+    return {
+        "scalar": jnp.float32(3.5),
+        "bias": jnp.arange(7, dtype=jnp.bfloat16),
+        "w": jax.random.normal(jax.random.key(0), (13, 11)).astype(jnp.float16),
+        "prime": jnp.linspace(-1, 1, 101),
+    }
+
+
+def test_roundtrip_keeps_values_and_dtypes(mesh):
+    tree = _tree()
+    shards, layout = shard_params(tree, mesh)
+    n = mesh.devices.size
+    assert layout.size == 1 + 7 + 143 + 101
+    assert layout.shard_size == -(-layout.size // n)
+    assert shards.shape == (n * layout.shard_size,) and shards.dtype == jnp.float32
+    assert {s.data.shape for s in shards.addressable_shards} == {(layout.shard_size,)}
+    back = unshard_params(shards, layout)
+    for k in tree:
+        assert back[k].dtype == tree[k].dtype and back[k].shape == tree[k].shape
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]))
+    # padding is zero
+    assert np.all(np.asarray(shards)[layout.size :] == 0)
+
+
+def test_stacked(mesh24):
+    stack = {"a": jnp.arange(3 * 5, dtype=jnp.float32).reshape(3, 5), "b": jnp.ones((3, 2, 2))}
+    shards, layout = shard_params(stack, mesh24, stacked=True)
+    assert shards.shape == (3, 8 * layout.shard_size)
+    assert layout.shapes == ((5,), (2, 2))
+    back = unshard_params(shards, layout, stacked=True)
+    np.testing.assert_array_equal(np.asarray(back["a"]), np.asarray(stack["a"]))
+
+
+def test_non_float_is_rejected():
+    with pytest.raises(ValueError, match=r"\['step'\] has dtype int32"):
+        FlatLayout.from_tree({"w": jnp.ones(3), "step": jnp.int32(0)}, 8)
+
+
+def test_stacked_layer_counts_must_agree():
+    with pytest.raises(ValueError, match="disagree on the number of layers"):
+        FlatLayout.from_tree({"a": jnp.ones((2, 3)), "b": jnp.ones((3, 3))}, 8, stacked=True)
+
+
+def test_empty():
+    with pytest.raises(ValueError, match="empty"):
+        FlatLayout.from_tree({}, 8)

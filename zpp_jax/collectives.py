@@ -1,0 +1,163 @@
+"""Plain and quantized collectives over the (`node`, `local`) mesh.
+
+Every function here runs *inside* `jax.shard_map` over a mesh built by
+`zpp_jax.make_mesh` and works on flat 1-D vectors. A device's primary shard is
+chunk ``node * local_size + local`` of the full vector (node-major), which is
+exactly how a 1-D array sharded ``P(("node", "local"))`` is laid out.
+
+Byte counts below are per device, with N = nodes x local devices, a full
+vector of N*s elements and a shard of s elements.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from zpp_jax import quant
+from zpp_jax.mesh import AXES, LOCAL, NODE
+
+
+def axis_sizes() -> tuple[int, int]:
+    """(nodes, local) of the enclosing shard_map."""
+    return lax.axis_size(NODE), lax.axis_size(LOCAL)
+
+
+def all_gather(shard: jax.Array, comm_dtype=None) -> jax.Array:
+    """Gather the full vector (N*s,) from every device's shard (s,).
+
+    Moves (N-1)*s elements in `comm_dtype` (default: the shard's dtype). The
+    result has the shard's dtype.
+    """
+    wire = shard if comm_dtype is None else shard.astype(comm_dtype)
+    return lax.all_gather(wire, AXES, tiled=True).astype(shard.dtype)
+
+
+def to_wire(q: quant.QuantizedBlocks) -> jax.Array:
+    """Codes and scales in one uint8 buffer (..., nb, block_bytes + 4), so a
+    quantized tensor travels as one collective instead of two."""
+    codes = lax.bitcast_convert_type(q.codes, jnp.uint8) if q.codes.dtype == jnp.int8 else q.codes
+    return jnp.concatenate([codes, lax.bitcast_convert_type(q.scales, jnp.uint8)], axis=-1)
+
+
+def from_wire(wire: jax.Array, bits: int) -> quant.QuantizedBlocks:
+    """Inverse of `to_wire`."""
+    codes = wire[..., :-4]
+    if bits == 8:
+        codes = lax.bitcast_convert_type(codes, jnp.int8)
+    return quant.QuantizedBlocks(codes, lax.bitcast_convert_type(wire[..., -4:], jnp.float32))
+
+
+def dequantize_wire(wire: jax.Array, bits: int, size: int, dtype=jnp.float32) -> jax.Array:
+    """(..., size) in `dtype` from a wire buffer."""
+    return quant.dequantize(from_wire(wire, bits), bits, size, dtype)
+
+
+def quantized_gather(shard: jax.Array, bits: int, block_size: int) -> jax.Array:
+    """qwZ: quantize this device's shard (s,) and all-gather it over every
+    device, still quantized: uint8 (N, nb, block_bytes + 4), row d from device d.
+
+    Moves (N-1) * quant.wire_bytes(s) bytes: s (int8) or s/2 (int4) bytes per
+    peer plus 4 bytes per block, against 4s for fp32 or 2s for bf16.
+    """
+    wire = to_wire(quant.quantize(shard, bits, block_size))
+    return lax.all_gather(wire, AXES)
+
+
+def quantized_all_gather(
+    shard: jax.Array, bits: int, block_size: int, dtype=jnp.float32
+) -> jax.Array:
+    """qwZ all-gather: the full vector (N*s,) in `dtype`, each element within
+    half a quantization step of the original."""
+    rows = quantized_gather(shard, bits, block_size)
+    return dequantize_wire(rows, bits, shard.shape[0], dtype).reshape(-1)
+
+
+def reduce_scatter(full: jax.Array, comm_dtype=None) -> jax.Array:
+    """Baseline gradient reduction: the mean over all N devices of `full`
+    (N*s,), scattered so each device keeps its own shard (s,) in fp32.
+
+    Moves (N-1)*s elements in `comm_dtype` (default fp32). The sum runs in
+    `comm_dtype`, as a plain reduce-scatter in that dtype does.
+    """
+    wire = full.astype(jnp.float32 if comm_dtype is None else comm_dtype)
+    summed = lax.psum_scatter(wire, AXES, scatter_dimension=0, tiled=True)
+    return _mean(summed.astype(jnp.float32))
+
+
+def _mean(summed: jax.Array) -> jax.Array:
+    # The one place both gradient paths divide by the device count, so the
+    # quantized and the plain reduction average identically.
+    nodes, local = axis_sizes()
+    return summed * jnp.float32(1.0 / (nodes * local))
+
+
+def residual_size(shard_size: int, nodes: int, local: int) -> int:
+    """Elements of the error-feedback residual one device keeps for one vector:
+    the full local gradient (N*s) plus the intra-node partial sum (nodes*s)."""
+    return (nodes * local + nodes) * shard_size
+
+
+def hierarchical_reduce_scatter(
+    full: jax.Array,
+    bits: int,
+    block_size: int,
+    residual: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """qgZ: quantized hierarchical reduction of `full` (N*s,) to this device's
+    shard (s,) of the mean over all N devices, in fp32.
+
+    Steps: reorder the slices so that the intra-node all-to-all sends one
+    contiguous piece per local peer; quantize; all-to-all over `local`;
+    dequantize, sum in fp32 and requantize; all-to-all over `node` on 1/local of
+    the data; dequantize and sum in fp32. A step over an axis of size 1 moves
+    nothing and is skipped, quantization included.
+
+    Bytes per device: (local-1)/local * N*s*bits/8 inside the node and
+    (nodes-1)/nodes * nodes*s*bits/8 across nodes, plus 4 bytes per block of
+    scales: with int4, 1/(8*local) of what an fp32 reduce-scatter sends across
+    nodes.
+
+    With `residual` (shape ``(residual_size(s, nodes, local),)``), the error of
+    each quantization is added back before the same quantization next call
+    (error feedback); returns the updated residual in the residual's dtype,
+    else None.
+    """
+    nodes, local = axis_sizes()
+    n = nodes * local
+    if full.ndim != 1 or full.shape[0] % n:
+        raise ValueError(f"hierarchical_reduce_scatter needs a 1-D vector of a multiple of {n} elements, got {full.shape}")
+    s = full.shape[0] // n
+    full = full.astype(jnp.float32)
+    r_local = r_node = None
+    if residual is not None:
+        if residual.shape != (residual_size(s, nodes, local),):
+            raise ValueError(f"residual has shape {residual.shape}, expected ({residual_size(s, nodes, local)},)")
+        r_local = residual[: n * s].reshape(local, nodes * s).astype(jnp.float32)
+        r_node = residual[n * s :].reshape(nodes, s).astype(jnp.float32)
+
+    # Slice reordering: row j holds what local peer j reduces (its chunks for every node).
+    rows = full.reshape(nodes, local, s).transpose(1, 0, 2).reshape(local, nodes * s)
+    rows, r_local = _exchange_and_sum(rows, LOCAL, local, bits, block_size, r_local)
+    rows = rows.reshape(nodes, s)
+    shard, r_node = _exchange_and_sum(rows, NODE, nodes, bits, block_size, r_node)
+
+    new_residual = None
+    if residual is not None:
+        new_residual = jnp.concatenate([r_local.reshape(-1), r_node.reshape(-1)]).astype(residual.dtype)
+    return _mean(shard), new_residual
+
+
+def _exchange_and_sum(rows, axis, size, bits, block_size, residual):
+    """Send row j to peer j over `axis` (quantized), return the fp32 sum of what arrives."""
+    if size == 1:
+        return rows[0], residual
+    if residual is not None:
+        rows = rows + residual
+    q = quant.quantize(rows, bits, block_size)
+    if residual is not None:
+        residual = rows - quant.dequantize(q, bits, rows.shape[-1])
+    received = lax.all_to_all(to_wire(q), axis, 0, 0, tiled=True)
+    received = dequantize_wire(received, bits, rows.shape[-1])
+    return jnp.sum(received, axis=0), residual

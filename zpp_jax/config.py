@@ -1,0 +1,105 @@
+"""The configuration of the ZeRO++ techniques: one frozen, validated dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+
+_SUPPORTED_WEIGHT_BITS = (4, 8)
+_SUPPORTED_GRADIENT_BITS = (4, 8)
+_SUPPORTED_RESIDUAL_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroPPConfig:
+    """Which ZeRO++ techniques run, and how.
+
+    Every technique switches on and off on its own; with all three off the
+    engine is plain ZeRO-3 (fully sharded data parallel) and its gradients equal
+    an unsharded reference to fp32 round-off.
+
+    Attributes:
+      quantize_weights: qwZ. All-gather weights as block-quantized integer codes
+        plus one fp32 scale per block instead of full precision.
+      weight_bits: 8 or 4 bits per weight code (4-bit codes travel two per byte).
+      hpz: hierarchical partitioning. After the forward all-gather each device
+        keeps a secondary shard (1/local of the gathered weight, in the wire
+        format); the backward pass re-gathers only over the `local` axis, so no
+        weight crosses a node boundary in the backward pass.
+      quantize_gradients: qgZ. Reduce gradients with a quantized hierarchical
+        all-to-all (inside the node, then across nodes on 1/local of the data)
+        instead of a reduce-scatter.
+      gradient_bits: 4 or 8 bits per gradient code.
+      error_feedback: carry each device's quantization error of the gradient
+        into the next step (only meaningful with `quantize_gradients`). Costs a
+        residual of (1 + 1/local) x the parameter count per device, stored in
+        `residual_dtype`.
+      residual_dtype: "float32" or "bfloat16" storage for the error-feedback
+        residual.
+      block_size: elements per quantization block (one fp32 scale each). Must
+        be even when either bit width is 4, so that two codes share a byte
+        without straddling blocks.
+      comm_dtype: dtype of the *unquantized* collectives (the plain all-gather
+        and reduce-scatter), e.g. "bfloat16" for a ZeRO-3 baseline that moves
+        bf16 weights and gradients. None moves the fp32 master values exactly.
+    """
+
+    quantize_weights: bool = True
+    weight_bits: int = 8
+    hpz: bool = True
+    quantize_gradients: bool = True
+    gradient_bits: int = 4
+    error_feedback: bool = False
+    residual_dtype: str = "float32"
+    block_size: int = 256
+    comm_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("quantize_weights", "hpz", "quantize_gradients", "error_feedback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.weight_bits not in _SUPPORTED_WEIGHT_BITS:
+            raise ValueError(
+                f"weight_bits={self.weight_bits!r} is not supported; use one of "
+                f"{_SUPPORTED_WEIGHT_BITS}"
+            )
+        if self.gradient_bits not in _SUPPORTED_GRADIENT_BITS:
+            raise ValueError(
+                f"gradient_bits={self.gradient_bits!r} is not supported; use one of "
+                f"{_SUPPORTED_GRADIENT_BITS}"
+            )
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        uses_int4 = (self.quantize_weights and self.weight_bits == 4) or (
+            self.quantize_gradients and self.gradient_bits == 4
+        )
+        if uses_int4 and self.block_size % 2:
+            raise ValueError(
+                f"block_size={self.block_size} is odd, but 4-bit codes are packed two per "
+                "byte within a block; use an even block_size"
+            )
+        if self.error_feedback and not self.quantize_gradients:
+            raise ValueError(
+                "error_feedback=True needs quantize_gradients=True: there is no "
+                "quantization error to feed back otherwise"
+            )
+        if self.residual_dtype not in _SUPPORTED_RESIDUAL_DTYPES:
+            raise ValueError(
+                f"residual_dtype={self.residual_dtype!r} is not supported; use one of "
+                f"{_SUPPORTED_RESIDUAL_DTYPES}"
+            )
+        if self.comm_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"comm_dtype={self.comm_dtype!r} is not supported; use None, 'float32', "
+                "'bfloat16' or 'float16'"
+            )
+
+    @classmethod
+    def zero3(cls, **overrides) -> ZeroPPConfig:
+        """Plain ZeRO-3: every ZeRO++ technique off."""
+        base = dict(quantize_weights=False, hpz=False, quantize_gradients=False)
+        base.update(overrides)
+        return cls(**base)
+
+    def replace(self, **changes) -> ZeroPPConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)

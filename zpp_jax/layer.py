@@ -1,0 +1,172 @@
+"""The sharded layer: one `jax.custom_vjp` around a whole layer function.
+
+Writing ``w = gather(shard); y = f(w, x)`` and letting autodiff do the rest
+keeps every layer's full weight alive until the backward pass, and ZeRO-3's
+memory saving is lost. `ShardedLayer` instead keeps, per layer, only the
+layer input and (with hpZ) a secondary shard; the backward pass re-gathers the
+weight, recomputes the layer under `jax.vjp` and reduces the weight gradient
+straight to the primary shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from zpp_jax import collectives
+from zpp_jax.config import ZeroPPConfig
+from zpp_jax.mesh import AXES, LOCAL, NODE
+from zpp_jax.partition import FlatLayout
+
+PyTree = Any
+
+
+class ShardedLayer:
+    """A layer ``fn(params, x) -> y`` whose params live as primary shards.
+
+    Call it inside `jax.shard_map` over a (`node`, `local`) mesh as
+    ``layer(shard, x)`` or, with error feedback, ``layer(shard, x, residual)``;
+    `shard` is this device's (s,) fp32 slice of the layer's flat parameters.
+
+    Guarantees:
+      * forward: the weights are gathered (qwZ: as int8/int4 codes + fp32
+        scales; else in `config.comm_dtype`) and cast to `compute_dtype`
+        (default: each leaf's own dtype); `fn` runs once.
+      * saved for the backward pass: the layer input `x` and, with hpZ, a
+        secondary shard (1/local of the gathered weight, in the wire format:
+        N*s/local bytes with int8). Nothing of the full weight is kept.
+      * backward: the weight is re-gathered (hpZ: over `local` only, from the
+        secondary shards, bit-identical to the forward weight), `fn` is
+        recomputed under `jax.vjp`, and the weight gradient (flattened to fp32)
+        is reduced to the mean over all devices and scattered to this device's
+        shard (qgZ: quantized hierarchical all-to-all; else reduce-scatter).
+        The cotangent returned for `shard` is that reduced gradient, already
+        averaged over the data-parallel devices.
+      * error feedback: the cotangent returned for `residual` is the *new*
+        residual (a value, not a derivative): read it from ``jax.grad`` with
+        respect to the residual and carry it to the next step.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[PyTree, Any], Any],
+        layout: FlatLayout,
+        config: ZeroPPConfig,
+        compute_dtype=None,
+    ) -> None:
+        self.fn = fn
+        self.layout = layout
+        self.config = config
+        self.compute_dtype = compute_dtype
+        self._apply = _build(self)
+
+    def __call__(self, shard: jax.Array, x: Any, residual: jax.Array | None = None) -> Any:
+        if shard.shape != (self.layout.shard_size,):
+            raise ValueError(
+                f"shard has shape {shard.shape}, expected ({self.layout.shard_size},): call "
+                "the layer inside jax.shard_map with the shard spec of zpp_jax.shard_spec()"
+            )
+        if self.config.error_feedback and residual is None:
+            raise ValueError("config.error_feedback is on: pass the layer's residual")
+        if not self.config.error_feedback and residual is not None:
+            raise ValueError("a residual was passed but config.error_feedback is off")
+        return self._apply(shard, residual, x)
+
+    def residual_size(self, nodes: int, local: int) -> int:
+        """Elements of this layer's error-feedback residual per device."""
+        return collectives.residual_size(self.layout.shard_size, nodes, local)
+
+    # -- the pieces the custom_vjp is built from -------------------------------
+
+    def _gather_forward(self, shard):
+        """Full flat weight (N*s,) and the hpZ secondary shard (or None)."""
+        cfg, s = self.config, self.layout.shard_size
+        if cfg.quantize_weights:
+            rows = collectives.quantized_gather(shard, cfg.weight_bits, cfg.block_size)
+            full = collectives.dequantize_wire(rows, cfg.weight_bits, s).reshape(-1)
+        else:
+            wire = shard if cfg.comm_dtype is None else shard.astype(cfg.comm_dtype)
+            rows = lax.all_gather(wire, AXES)
+            full = rows.reshape(-1).astype(jnp.float32)
+        return full, (_local_rows(rows) if cfg.hpz else None)
+
+    def _gather_backward(self, saved):
+        cfg, s = self.config, self.layout.shard_size
+        if not cfg.hpz:
+            return self._gather_forward(saved)[0]
+        rows = lax.all_gather(saved, LOCAL, tiled=True)
+        if cfg.quantize_weights:
+            return collectives.dequantize_wire(rows, cfg.weight_bits, s).reshape(-1)
+        return rows.reshape(-1).astype(jnp.float32)
+
+    def _reduce(self, flat_grad, residual):
+        cfg = self.config
+        if cfg.quantize_gradients:
+            return collectives.hierarchical_reduce_scatter(
+                flat_grad, cfg.gradient_bits, cfg.block_size, residual
+            )
+        return collectives.reduce_scatter(flat_grad, cfg.comm_dtype), None
+
+    def _run(self, full, x):
+        params = self.layout.unflatten(full, self.compute_dtype)
+        return self.fn(params, x)
+
+
+def _local_rows(rows):
+    """This device's hpZ secondary: rows [l*nodes, (l+1)*nodes) of the gathered
+    (N, ...) shards; gathering them over `local` restores all N rows in order."""
+    nodes = lax.axis_size(NODE)
+    return lax.dynamic_slice_in_dim(rows, lax.axis_index(LOCAL) * nodes, nodes, axis=0)
+
+
+def _build(layer: ShardedLayer):
+    @jax.custom_vjp
+    def apply(shard, residual, x):
+        full, _ = layer._gather_forward(shard)
+        return layer._run(full, x)
+
+    def fwd(shard, residual, x):
+        full, secondary = layer._gather_forward(shard)
+        y = layer._run(full, x)
+        saved = secondary if layer.config.hpz else shard
+        return y, (saved, residual, x)
+
+    def bwd(res, g):
+        saved, residual, x = res
+        # Tie the re-gather to the cotangent so XLA cannot merge it with the
+        # forward gather (which would keep the full weight alive in between).
+        saved, g = lax.optimization_barrier((saved, g))
+        full = layer._gather_backward(saved)
+        params = layer.layout.unflatten(full, layer.compute_dtype)
+        _, vjp = jax.vjp(layer.fn, params, x)
+        g_params, g_x = vjp(g)
+        shard_grad, new_residual = layer._reduce(layer.layout.flatten(g_params), residual)
+        return shard_grad, new_residual, g_x
+
+    apply.defvjp(fwd, bwd)
+    return apply
+
+
+def scan_layers(
+    layer: ShardedLayer,
+    shards: jax.Array,
+    x: Any,
+    residuals: jax.Array | None = None,
+) -> Any:
+    """Run a stack of identical layers under `lax.scan`, one sharded-layer call
+    per layer: at most about two layers' full weights are alive at once.
+
+    shards: (layers, s) this device's stacked primary shards; residuals:
+    (layers, r) with error feedback, else None.
+    """
+    def body(h, xs):
+        shard, residual = xs
+        return layer(shard, h, residual), None
+
+    h, _ = lax.scan(body, x, (shards, residuals))
+    return h
+
