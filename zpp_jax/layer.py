@@ -16,11 +16,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh, NamedSharding
 
 from zpp_jax import collectives
 from zpp_jax.config import ZeroPPConfig
-from zpp_jax.mesh import AXES, LOCAL, NODE
-from zpp_jax.partition import FlatLayout
+from zpp_jax.mesh import AXES, LOCAL, NODE, mesh_shape
+from zpp_jax.partition import FlatLayout, shard_spec
 
 PyTree = Any
 
@@ -74,11 +75,26 @@ class ShardedLayer:
             raise ValueError("config.error_feedback is on: pass the layer's residual")
         if not self.config.error_feedback and residual is not None:
             raise ValueError("a residual was passed but config.error_feedback is off")
+        if residual is not None and residual.dtype != jnp.dtype(self.config.residual_dtype):
+            raise ValueError(
+                f"residual has dtype {residual.dtype.name} but config.residual_dtype is "
+                f"{self.config.residual_dtype}; create it with ShardedLayer.init_residuals"
+            )
         return self._apply(shard, residual, x)
 
     def residual_size(self, nodes: int, local: int) -> int:
         """Elements of this layer's error-feedback residual per device."""
         return collectives.residual_size(self.layout.shard_size, nodes, local)
+
+    def init_residuals(self, mesh: Mesh, layers: int | None = None) -> jax.Array:
+        """Zero error-feedback residuals, sharded like the primary shards:
+        (N * r,) or, for `layers` stacked layers, (layers, N * r), where
+        r = `residual_size` elements of `config.residual_dtype` per device."""
+        nodes, local = mesh_shape(mesh)
+        size = nodes * local * self.residual_size(nodes, local)
+        shape = (size,) if layers is None else (layers, size)
+        sharding = NamedSharding(mesh, shard_spec(stacked=layers is not None))
+        return jnp.zeros(shape, self.config.residual_dtype, device=sharding)
 
     # -- the pieces the custom_vjp is built from -------------------------------
 
