@@ -1,4 +1,3 @@
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,7 +59,7 @@ def _per_device_full(mesh, s, seed=0, scale_by_device=True):
 
 
 def test_reduce_scatter_is_the_mean(mesh):
-    n, s = mesh.devices.size, 37
+    s = 37
     g = _per_device_full(mesh, s)
     f = _smap(mesh, lambda full: collectives.reduce_scatter(full[0]), P(AXES, None), P(AXES))
     np.testing.assert_allclose(np.asarray(f(g)), np.asarray(g).mean(0), rtol=1e-6, atol=1e-6)
@@ -166,5 +165,3 @@ def test_int4_travels_two_codes_per_byte(mesh24):
     assert inter.result_bytes == nodes * s // 2 + 4 * (nodes * s // block)
     fp32_bytes = n * s * 4
     assert inter.result_bytes * 8 * local <= fp32_bytes * 1.04  # scales: 4 bytes per 128 code bytes
-
-

@@ -2,9 +2,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from blocks import loss_fn, reference_loss_and_grads, sharded_loss_and_grads
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from blocks import loss_fn, reference_loss_and_grads, sharded_loss_and_grads
 
 from zpp_jax import (
     AXES,
@@ -49,7 +49,8 @@ def test_zero3_equals_unsharded_reference(mesh):
     ref_loss, ref_grads = reference_loss_and_grads(stack, x)
     loss, grads, _ = _run(mesh, ZeroPPConfig.zero3(), stack, x)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
-    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+    leaves = jax.tree_util.tree_leaves_with_path(grads)
+    for (path, g), r in zip(leaves, jax.tree.leaves(ref_grads), strict=True):
         assert _max_rel(g, r) <= 1e-5, jax.tree_util.keystr(path)
 
 
@@ -57,7 +58,7 @@ def test_hpz_equals_zero3(mesh):
     stack, x = _data(mesh.devices.size)
     _, g0, _ = _run(mesh, ZeroPPConfig.zero3(), stack, x)
     _, g1, _ = _run(mesh, ZeroPPConfig.zero3(hpz=True), stack, x)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
         assert _max_rel(a, b) <= 1e-6
 
 
@@ -76,11 +77,17 @@ def _forward_hlo(mesh, config, layout, layers=2):
     layer = ShardedLayer(block, layout, config)
     f = jax.shard_map(
         lambda s, x: jax.lax.pmean(loss_fn(scan_layers(layer, s, x)), AXES),
-        mesh=mesh, in_specs=(shard_spec(True), P(AXES)), out_specs=P(), check_vma=False,
+        mesh=mesh,
+        in_specs=(shard_spec(True), P(AXES)),
+        out_specs=P(),
+        check_vma=False,
     )
-    return jax.jit(f).lower(
-        jnp.zeros((layers, layout.padded_size)), jnp.zeros((8, 6, D))
-    ).compile().as_text()
+    return (
+        jax.jit(f)
+        .lower(jnp.zeros((layers, layout.padded_size)), jnp.zeros((8, 6, D)))
+        .compile()
+        .as_text()
+    )
 
 
 @pytest.mark.parametrize("quantize_weights", [False, True])
@@ -99,9 +106,14 @@ def test_hpz_backward_gathers_stay_inside_the_node(mesh24, quantize_weights):
     # Without hpZ the backward re-gathers across nodes; with hpZ only the
     # forward's cross-node gather is left.
     assert counts == {False: 2, True: 1}
-    compiled, _ = _compiled_step_hlo(mesh24, ZeroPPConfig.zero3(hpz=True, quantize_weights=quantize_weights))
-    intra = [c for c in collectives_in_hlo(compiled.as_text())
-             if c.kind == "all-gather" and not c.spans_nodes(local)]
+    compiled, _ = _compiled_step_hlo(
+        mesh24, ZeroPPConfig.zero3(hpz=True, quantize_weights=quantize_weights)
+    )
+    intra = [
+        c
+        for c in collectives_in_hlo(compiled.as_text())
+        if c.kind == "all-gather" and not c.spans_nodes(local)
+    ]
     assert len(intra) == 1 and intra[0].group_size == local
 
 
@@ -109,7 +121,6 @@ def _secondary_bytes(layout, config, nodes, local):
     n = nodes * local
     if config.quantize_weights:
         s = layout.shard_size
-        eb = quant.effective_block_size(s, config.block_size, config.weight_bits)
         return nodes * quant.wire_bytes(s, config.weight_bits, config.block_size)
     return n * layout.shard_size * 4 // local
 
@@ -127,9 +138,13 @@ def test_memory_growth_per_layer(mesh24, config):
         layout = FlatLayout.from_tree(stack, 8, stacked=True)
         step, _ = sharded_loss_and_grads(mesh24, config, layout)
         shards = jax.ShapeDtypeStruct(
-            (layers, layout.padded_size), jnp.float32, sharding=NamedSharding(mesh24, shard_spec(True))
+            (layers, layout.padded_size),
+            jnp.float32,
+            sharding=NamedSharding(mesh24, shard_spec(True)),
         )
-        x = jax.ShapeDtypeStruct((batch, tokens, d), jnp.float32, sharding=NamedSharding(mesh24, P(AXES)))
+        x = jax.ShapeDtypeStruct(
+            (batch, tokens, d), jnp.float32, sharding=NamedSharding(mesh24, P(AXES))
+        )
         ma = step.lower(shards, x, None).compile().memory_analysis()
         sizes[layers] = np.array(
             [ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.temp_size_in_bytes]
@@ -139,8 +154,10 @@ def test_memory_growth_per_layer(mesh24, config):
     act_bytes = (batch // 8) * tokens * d * 4
     secondary = _secondary_bytes(layout, config, 2, 4) if config.hpz else 0
     full_weight = layout.padded_size * 4
-    print(f"\n{config}: per layer arg {arg:.0f} out {out:.0f} temp {temp:.0f}; shard "
-          f"{shard_bytes} secondary {secondary} activations {act_bytes} full weight {full_weight}")
+    print(
+        f"\n{config}: per layer arg {arg:.0f} out {out:.0f} temp {temp:.0f}; shard "
+        f"{shard_bytes} secondary {secondary} activations {act_bytes} full weight {full_weight}"
+    )
     assert arg == shard_bytes and out <= shard_bytes  # primary shard in, its gradient out
     assert temp <= secondary + act_bytes
     assert temp < full_weight / 2
@@ -166,7 +183,10 @@ def test_every_path_and_dtype(mesh24, dtype, config):
     )
     loss, grads, r = _run(mesh24, config, stack, x)
     assert np.isfinite(float(loss))
-    for g, rg, p in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), jax.tree.leaves(stack)):
+    leaves = zip(
+        jax.tree.leaves(grads), jax.tree.leaves(ref_grads), jax.tree.leaves(stack), strict=True
+    )
+    for g, rg, p in leaves:
         assert g.dtype == p.dtype and g.shape == p.shape
         assert np.all(np.isfinite(np.asarray(g, np.float32)))
         assert _max_rel(np.asarray(g, np.float32), rg) < 0.5

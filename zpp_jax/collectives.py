@@ -127,13 +127,18 @@ def hierarchical_reduce_scatter(
     nodes, local = axis_sizes()
     n = nodes * local
     if full.ndim != 1 or full.shape[0] % n:
-        raise ValueError(f"hierarchical_reduce_scatter needs a 1-D vector of a multiple of {n} elements, got {full.shape}")
+        raise ValueError(
+            "hierarchical_reduce_scatter needs a 1-D vector whose length is a multiple of "
+            f"the {n} devices, got shape {full.shape}"
+        )
     s = full.shape[0] // n
     full = full.astype(jnp.float32)
     r_local = r_node = None
     if residual is not None:
         if residual.shape != (residual_size(s, nodes, local),):
-            raise ValueError(f"residual has shape {residual.shape}, expected ({residual_size(s, nodes, local)},)")
+            raise ValueError(
+                f"residual has shape {residual.shape}, expected ({residual_size(s, nodes, local)},)"
+            )
         r_local = residual[: n * s].reshape(local, nodes * s).astype(jnp.float32)
         r_node = residual[n * s :].reshape(nodes, s).astype(jnp.float32)
 
@@ -145,7 +150,9 @@ def hierarchical_reduce_scatter(
 
     new_residual = None
     if residual is not None:
-        new_residual = jnp.concatenate([r_local.reshape(-1), r_node.reshape(-1)]).astype(residual.dtype)
+        new_residual = jnp.concatenate([r_local.reshape(-1), r_node.reshape(-1)]).astype(
+            residual.dtype
+        )
     return _mean(shard), new_residual
 
 

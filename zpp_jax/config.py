@@ -67,7 +67,11 @@ class ZeroPPConfig:
                 f"gradient_bits={self.gradient_bits!r} is not supported; use one of "
                 f"{_SUPPORTED_GRADIENT_BITS}"
             )
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
+        if (
+            not isinstance(self.block_size, int)
+            or isinstance(self.block_size, bool)
+            or self.block_size <= 0
+        ):
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         uses_int4 = (self.quantize_weights and self.weight_bits == 4) or (
             self.quantize_gradients and self.gradient_bits == 4

@@ -179,10 +179,10 @@ def scan_layers(
     shards: (layers, s) this device's stacked primary shards; residuals:
     (layers, r) with error feedback, else None.
     """
+
     def body(h, xs):
         shard, residual = xs
         return layer(shard, h, residual), None
 
     h, _ = lax.scan(body, x, (shards, residuals))
     return h
-

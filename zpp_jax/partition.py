@@ -16,7 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zpp_jax import quant
 from zpp_jax.mesh import AXES, mesh_shape
@@ -67,7 +68,7 @@ class FlatLayout:
             raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
         shapes, dtypes = [], []
-        for path, leaf in zip(paths, leaves):
+        for path, leaf in zip(paths, leaves, strict=True):
             dtype = jnp.result_type(leaf)
             if not jnp.issubdtype(dtype, jnp.floating) or dtype not in quant_float_dtypes():
                 raise ValueError(
@@ -78,7 +79,9 @@ class FlatLayout:
             shape = tuple(np.shape(leaf))
             if stacked:
                 if not shape:
-                    raise ValueError(f"stacked parameter {path} is a scalar; it needs a leading layer axis")
+                    raise ValueError(
+                        f"stacked parameter {path} is a scalar; it needs a leading layer axis"
+                    )
                 shape = shape[1:]
             shapes.append(shape)
             dtypes.append(jnp.dtype(dtype))
@@ -107,7 +110,7 @@ class FlatLayout:
         Leaves get their original dtypes, or `dtype` if given.
         """
         leaves = []
-        for shape, dt, off in zip(self.shapes, self.dtypes, self.offsets):
+        for shape, dt, off in zip(self.shapes, self.dtypes, self.offsets, strict=True):
             n = math.prod(shape)
             leaf = jax.lax.slice_in_dim(flat, off, off + n).reshape(shape)
             leaves.append(leaf.astype(dt if dtype is None else dtype))
@@ -123,9 +126,7 @@ def shard_spec(stacked: bool = False) -> P:
     return P(None, AXES) if stacked else P(AXES)
 
 
-def shard_params(
-    tree: PyTree, mesh: Mesh, stacked: bool = False
-) -> tuple[jax.Array, FlatLayout]:
+def shard_params(tree: PyTree, mesh: Mesh, stacked: bool = False) -> tuple[jax.Array, FlatLayout]:
     """Flatten, pad and shard a pytree onto `mesh`.
 
     Returns the fp32 primary-shard array, shape (N*s,) (or (layers, N*s) when

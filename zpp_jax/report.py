@@ -10,8 +10,21 @@ import numpy as np
 
 _COLLECTIVES = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce", "collective-permute")
 _DTYPE_BYTES = {
-    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
 }
 _INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
@@ -22,6 +35,15 @@ _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(?P<body>(?:\{[\d,]*\},?)*)\}")
 _IOTA_GROUPS = re.compile(
     r"replica_groups=\[(?P<dims>[\d,]+)\]<=\[(?P<reshape>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?"
 )
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+_WHILE = re.compile(r"\bwhile\(.*?body=%(?P<body>[\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+_CALLED = re.compile(
+    r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%(?P<name>[\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +60,21 @@ class Collective:
     dtypes: tuple[str, ...]
     result_bytes: int
     groups: tuple[tuple[int, ...], ...]
+    runs: int = 1
+
+    @property
+    def moved_bytes(self) -> float:
+        """Bytes one device sends per run, by the ring model: all-gather,
+        reduce-scatter and all-to-all move (g-1)/g of the full buffer,
+        all-reduce 2(g-1)/g, a permute its whole buffer."""
+        g = self.group_size
+        if self.kind == "collective-permute":
+            return float(self.result_bytes)
+        if g <= 1:
+            return 0.0
+        full = self.result_bytes * (g if self.kind == "reduce-scatter" else 1)
+        factor = 2 if self.kind == "all-reduce" else 1
+        return factor * full * (g - 1) / g
 
     def spans_nodes(self, local_size: int) -> bool:
         """Whether any group holds devices of two nodes (node = id // local_size)."""
@@ -51,23 +88,94 @@ class Collective:
 def collectives_in_hlo(hlo_text: str) -> list[Collective]:
     """Every collective instruction in compiled HLO text, in text order.
 
-    A collective inside a loop body appears once here however many times it
-    runs.
+    `runs` is how many times it executes per call of the entry computation:
+    loop trip counts (XLA's known_trip_count) multiplied through nested loops.
+    A loop whose trip count XLA does not know counts once.
     """
+    runs = _runs_per_computation(hlo_text)
     found = []
+    computation = None
     for line in hlo_text.splitlines():
+        c = _COMPUTATION.match(line)
+        if c:
+            computation = c.group("name")
+            continue
         m = _INSTR.match(line)
         if not m:
             continue
         arrays = _ARRAY.findall(m.group("shape"))
         dtypes = tuple(dt for dt, _ in arrays)
         nbytes = sum(
-            math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt] for dt, dims in arrays
+            math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt]
+            for dt, dims in arrays
         )
         found.append(
-            Collective(m.group("name"), m.group("kind"), dtypes, int(nbytes), _groups(line))
+            Collective(
+                m.group("name"),
+                m.group("kind"),
+                dtypes,
+                int(nbytes),
+                _groups(line),
+                runs.get(computation, 1),
+            )
         )
     return found
+
+
+def _runs_per_computation(hlo_text: str) -> dict[str, int]:
+    calls: dict[str, list[tuple[str, int]]] = {}
+    entry = None
+    computation = None
+    for line in hlo_text.splitlines():
+        c = _COMPUTATION.match(line)
+        if c:
+            computation = c.group("name")
+            calls[computation] = []
+            if line.startswith("ENTRY"):
+                entry = computation
+            continue
+        if computation is None:
+            continue
+        w = _WHILE.search(line)
+        trip = _TRIP.search(line)
+        if w:
+            calls[computation].append((w.group("body"), int(trip.group("n")) if trip else 1))
+        for called in _CALLED.findall(line):
+            if not (w and called == w.group("body")):
+                calls[computation].append((called, 1))
+        b = _BRANCHES.search(line)
+        if b:
+            for name in re.findall(r"%([\w.\-]+)", b.group("names")):
+                calls[computation].append((name, 1))
+    runs: dict[str, int] = {}
+
+    def visit(name: str, times: int) -> None:
+        runs[name] = runs.get(name, 0) + times
+        for callee, trip in calls.get(name, []):
+            visit(callee, times * trip)
+
+    if entry is not None:
+        visit(entry, 1)
+    return runs
+
+
+@dataclasses.dataclass(frozen=True)
+class CommSummary:
+    """Bytes one device moves per call, split by whether the group spans nodes."""
+
+    cross_node_bytes: float
+    intra_node_bytes: float
+    collectives: tuple[Collective, ...]
+
+
+def summarize(hlo_text: str, local_size: int) -> CommSummary:
+    """Per-device bytes per call of a compiled program, by the ring model, with
+    loop trip counts applied. A collective whose group holds devices of two
+    nodes counts wholly as cross-node traffic."""
+    cs = collectives_in_hlo(hlo_text)
+    cross = sum(c.moved_bytes * c.runs for c in cs if c.spans_nodes(local_size))
+    intra = sum(c.moved_bytes * c.runs for c in cs if not c.spans_nodes(local_size))
+    return CommSummary(cross, intra, tuple(cs))
 
 
 def _groups(line: str) -> tuple[tuple[int, ...], ...]:

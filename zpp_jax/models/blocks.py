@@ -23,7 +23,10 @@ def init_block(key: jax.Array, d_model: int, d_ff: int, dtype=jnp.float32) -> di
 
     return {
         "ln1": {"scale": jnp.ones((d_model,), dtype), "bias": jnp.zeros((d_model,), dtype)},
-        "attn": {"qkv": dense(ks[0], (d_model, 3 * d_model)), "out": dense(ks[1], (d_model, d_model))},
+        "attn": {
+            "qkv": dense(ks[0], (d_model, 3 * d_model)),
+            "out": dense(ks[1], (d_model, d_model)),
+        },
         "ln2": {"scale": jnp.ones((d_model,), dtype), "bias": jnp.zeros((d_model,), dtype)},
         "mlp": {
             "w1": dense(ks[2], (d_model, d_ff)),
