@@ -165,3 +165,24 @@ def test_int4_travels_two_codes_per_byte(mesh24):
     assert inter.result_bytes == nodes * s // 2 + 4 * (nodes * s // block)
     fp32_bytes = n * s * 4
     assert inter.result_bytes * 8 * local <= fp32_bytes * 1.04  # scales: 4 bytes per 128 code bytes
+
+
+def test_bf16_wire_is_16_bit_and_accumulates_in_fp32(mesh24):
+    n, s = 8, 64
+    g = _per_device_full(mesh24, s)
+    f = _smap(
+        mesh24,
+        lambda full: collectives.reduce_scatter(full[0], jnp.bfloat16),
+        P(AXES, None),
+        P(AXES),
+    )
+    expect = np.asarray(g.astype(jnp.bfloat16).astype(jnp.float32)).sum(0) / n
+    np.testing.assert_allclose(np.asarray(f(g)), expect, rtol=1e-6)
+    hlo = f.lower(g).compile().as_text()
+    (c,) = collectives_in_hlo(hlo)
+    assert c.kind == "all-to-all" and set(c.dtypes) == {"u16"} and c.result_bytes == n * s * 2
+    gather = _smap(
+        mesh24, lambda sh: collectives.all_gather(sh, jnp.bfloat16)[None], P(AXES), P(AXES)
+    )
+    (c,) = collectives_in_hlo(gather.lower(jnp.ones(n * s)).compile().as_text())
+    assert c.kind == "all-gather" and c.dtypes == ("u16",) and c.result_bytes == n * s * 2

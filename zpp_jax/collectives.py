@@ -24,14 +24,36 @@ def axis_sizes() -> tuple[int, int]:
     return lax.axis_size(NODE), lax.axis_size(LOCAL)
 
 
+def gather_rows(shard: jax.Array, comm_dtype=None, axes=AXES) -> jax.Array:
+    """Every device's shard (s,) over `axes`, stacked: (N, s) in `comm_dtype`
+    (default: the shard's dtype). Moves (N-1)*s elements of `comm_dtype`.
+
+    The payload travels as raw bits (an unsigned int of the same width): left
+    as floats, XLA may move the cast back to the wide dtype in front of the
+    collective and send the wide dtype instead.
+    """
+    wire = shard if comm_dtype is None else shard.astype(comm_dtype)
+    return _from_bits(lax.all_gather(_to_bits(wire), axes), wire.dtype)
+
+
 def all_gather(shard: jax.Array, comm_dtype=None) -> jax.Array:
     """Gather the full vector (N*s,) from every device's shard (s,).
 
     Moves (N-1)*s elements in `comm_dtype` (default: the shard's dtype). The
     result has the shard's dtype.
     """
-    wire = shard if comm_dtype is None else shard.astype(comm_dtype)
-    return lax.all_gather(wire, AXES, tiled=True).astype(shard.dtype)
+    return gather_rows(shard, comm_dtype).reshape(-1).astype(shard.dtype)
+
+
+_BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _to_bits(x: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(x, _BITS[x.dtype.itemsize])
+
+
+def _from_bits(x: jax.Array, dtype) -> jax.Array:
+    return lax.bitcast_convert_type(x, dtype)
 
 
 def to_wire(q: quant.QuantizedBlocks) -> jax.Array:
@@ -78,12 +100,19 @@ def reduce_scatter(full: jax.Array, comm_dtype=None) -> jax.Array:
     """Baseline gradient reduction: the mean over all N devices of `full`
     (N*s,), scattered so each device keeps its own shard (s,) in fp32.
 
-    Moves (N-1)*s elements in `comm_dtype` (default fp32). The sum runs in
-    `comm_dtype`, as a plain reduce-scatter in that dtype does.
+    Moves (N-1)*s elements of `comm_dtype` (default fp32) per device. In fp32
+    this is XLA's reduce-scatter. In a narrower dtype it is an all-to-all of
+    the narrow values (raw bits, so XLA cannot widen the wire) followed by an
+    fp32 sum: the same bytes as a ring reduce-scatter in that dtype, with fp32
+    accumulation instead of rounding at every hop.
     """
-    wire = full.astype(jnp.float32 if comm_dtype is None else comm_dtype)
-    summed = lax.psum_scatter(wire, AXES, scatter_dimension=0, tiled=True)
-    return _mean(summed.astype(jnp.float32))
+    if comm_dtype is None or jnp.dtype(comm_dtype) == jnp.float32:
+        summed = lax.psum_scatter(full.astype(jnp.float32), AXES, scatter_dimension=0, tiled=True)
+        return _mean(summed)
+    nodes, local = axis_sizes()
+    rows = _to_bits(full.astype(comm_dtype).reshape(nodes * local, -1))
+    received = _from_bits(lax.all_to_all(rows, AXES, 0, 0, tiled=True), comm_dtype)
+    return _mean(jnp.sum(received.astype(jnp.float32), axis=0))
 
 
 def _mean(summed: jax.Array) -> jax.Array:

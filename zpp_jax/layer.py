@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from zpp_jax import collectives
 from zpp_jax.config import ZeroPPConfig
-from zpp_jax.mesh import AXES, LOCAL, NODE, mesh_shape
+from zpp_jax.mesh import LOCAL, NODE, mesh_shape
 from zpp_jax.partition import FlatLayout, shard_spec
 
 PyTree = Any
@@ -105,8 +105,7 @@ class ShardedLayer:
             rows = collectives.quantized_gather(shard, cfg.weight_bits, cfg.block_size)
             full = collectives.dequantize_wire(rows, cfg.weight_bits, s).reshape(-1)
         else:
-            wire = shard if cfg.comm_dtype is None else shard.astype(cfg.comm_dtype)
-            rows = lax.all_gather(wire, AXES)
+            rows = collectives.gather_rows(shard, cfg.comm_dtype)
             full = rows.reshape(-1).astype(jnp.float32)
         return full, (_local_rows(rows) if cfg.hpz else None)
 
@@ -114,9 +113,10 @@ class ShardedLayer:
         cfg, s = self.config, self.layout.shard_size
         if not cfg.hpz:
             return self._gather_forward(saved)[0]
-        rows = lax.all_gather(saved, LOCAL, tiled=True)
         if cfg.quantize_weights:
+            rows = lax.all_gather(saved, LOCAL, tiled=True)
             return collectives.dequantize_wire(rows, cfg.weight_bits, s).reshape(-1)
+        rows = collectives.gather_rows(saved.reshape(-1), axes=LOCAL)
         return rows.reshape(-1).astype(jnp.float32)
 
     def _reduce(self, flat_grad, residual):

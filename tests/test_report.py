@@ -1,0 +1,53 @@
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from zpp_jax import AXES, LOCAL, NODE
+from zpp_jax.report import collectives_in_hlo, summarize
+
+HLO = """\
+HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ag = f32[8]{0} all-gather(%x), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}
+  %ar = f32[8]{0} all-reduce(%x), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]{0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
+  %rs = bf16[2]{0} reduce-scatter(%y), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+}
+"""  # noqa: E501
+
+
+def test_parses_groups_trip_counts_and_ring_bytes():
+    ag, ar, rs = collectives_in_hlo(HLO)
+    assert ag.groups == ((0, 1, 2, 3), (4, 5, 6, 7)) and not ag.spans_nodes(4)
+    assert ar.groups == ((0, 4), (1, 5), (2, 6), (3, 7)) and ar.spans_nodes(4)
+    assert (ag.runs, ar.runs, rs.runs) == (6, 6, 1)
+    assert ag.moved_bytes == 32 * 3 / 4  # (g-1)/g of the gathered buffer
+    assert ar.moved_bytes == 2 * 32 * 1 / 2  # all-reduce: 2(g-1)/g
+    assert rs.moved_bytes == 4 * 4 * 3 / 4  # reduce-scatter: of the full input
+    summary = summarize(HLO, 4)
+    assert summary.cross_node_bytes == 6 * 32
+    assert summary.intra_node_bytes == 6 * 24 + 12
+
+
+def test_real_program(mesh24):
+    def f(x):
+        x = jax.lax.all_gather(x, LOCAL, tiled=True)
+        return jax.lax.psum(x, NODE)
+
+    hlo = (
+        jax.jit(jax.shard_map(f, mesh=mesh24, in_specs=P(AXES), out_specs=P(NODE), check_vma=False))
+        .lower(jnp.ones(80))
+        .compile()
+        .as_text()
+    )
+    kinds = {c.kind: c for c in collectives_in_hlo(hlo)}
+    assert kinds["all-gather"].group_size == 4 and not kinds["all-gather"].spans_nodes(4)
+    assert kinds["all-reduce"].group_size == 2 and kinds["all-reduce"].spans_nodes(4)
+    assert kinds["all-reduce"].result_bytes == 40 * 4
