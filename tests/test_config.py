@@ -44,7 +44,10 @@ def test_frozen():
         (dict(gradient_bits=16), "gradient_bits=16 is not supported"),
         (dict(block_size=0), "block_size must be a positive int"),
         (dict(block_size=-4), "block_size must be a positive int"),
-        (dict(block_size=255), "block_size=255 is odd"),
+        (dict(block_size=255, weight_bits=4), "block_size=255 is odd"),
+        (dict(gradient_block_size=33), "gradient_block_size=33 is odd"),
+        (dict(gradient_block_size=0), "gradient_block_size must be a positive int"),
+        (dict(gradient_block_size=None, block_size=255), "block_size=255 is odd"),
         (dict(error_feedback=True, quantize_gradients=False), "needs quantize_gradients=True"),
         (dict(residual_dtype="int8"), "residual_dtype='int8'"),
         (dict(comm_dtype="int8"), "comm_dtype='int8'"),
@@ -57,6 +60,7 @@ def test_bad_values_name_the_problem(kwargs, message):
 
 
 def test_odd_block_is_fine_without_int4():
-    assert ZeroPPConfig(block_size=255, gradient_bits=8).block_size == 255
+    assert ZeroPPConfig(block_size=255).block_size == 255
+    assert ZeroPPConfig(gradient_block_size=None, gradient_bits=8, block_size=255).grad_block == 255
     with pytest.raises(ValueError, match="odd"):
-        ZeroPPConfig().replace(block_size=33)
+        ZeroPPConfig(gradient_block_size=None).replace(block_size=33)

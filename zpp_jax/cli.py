@@ -17,14 +17,19 @@ def _add_technique_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-bits", type=int, default=8, choices=(4, 8))
     g.add_argument("--gradient-bits", type=int, default=4, choices=(4, 8))
     g.add_argument("--error-feedback", action="store_true", help="carry gradient rounding errors")
-    g.add_argument("--block-size", type=int, default=256, help="elements per quantization block")
+    g.add_argument("--block-size", type=int, default=256, help="elements per weight block")
+    g.add_argument(
+        "--gradient-block-size", type=int, default=64, help="elements per gradient block"
+    )
 
 
 def _config_from_args(args):
     from zpp_jax.config import ZeroPPConfig
 
     if args.zero3:
-        return ZeroPPConfig.zero3(block_size=args.block_size)
+        return ZeroPPConfig.zero3(
+            block_size=args.block_size, gradient_block_size=args.gradient_block_size
+        )
     return ZeroPPConfig(
         quantize_weights=not args.no_qwz,
         weight_bits=args.weight_bits,
@@ -33,6 +38,7 @@ def _config_from_args(args):
         gradient_bits=args.gradient_bits,
         error_feedback=args.error_feedback,
         block_size=args.block_size,
+        gradient_block_size=args.gradient_block_size,
     )
 
 
@@ -70,9 +76,83 @@ def _demo(args) -> int:
     )
 
 
+def _train(args) -> int:
+    _use_emulated_devices(args.nodes * args.local)
+    from zpp_jax.train_gpt import RunConfig, run
+
+    zero = _config_from_args(args).replace(comm_dtype=args.comm_dtype)
+    plot = args.plot
+    if plot is None and args.metrics:
+        plot = str(args.metrics).rsplit(".", 1)[0] + ".png"
+    run(
+        RunConfig(
+            zero=zero,
+            model=args.model,
+            seq_len=args.seq,
+            nodes=args.nodes,
+            local=args.local,
+            batch=args.batch,
+            grad_accum=args.grad_accum,
+            steps=args.steps,
+            lr=args.lr,
+            warmup=args.warmup,
+            clip=args.clip,
+            compute_dtype=args.compute_dtype,
+            seed=args.seed,
+            data=args.data,
+            eval_every=args.eval_every,
+            eval_batches=args.eval_batches,
+            metrics=args.metrics,
+            plot=plot,
+            ckpt_dir=args.ckpt_dir,
+            ckpt_every=args.ckpt_every,
+            resume=args.resume,
+            progress=not args.quiet,
+        )
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zpp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser(
+        "train",
+        help="train a GPT with ZeRO++ on byte-level text (the Python standard library's "
+        "sources by default)",
+    )
+    train.add_argument("--model", default="tiny", help="tiny, small or 125m")
+    train.add_argument("--seq", type=int, default=None, help="sequence length (preset's)")
+    train.add_argument("--nodes", type=int, default=2)
+    train.add_argument("--local", type=int, default=4)
+    train.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    train.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    train.add_argument("--steps", type=int, default=200)
+    train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument("--warmup", type=int, default=20)
+    train.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
+    train.add_argument(
+        "--compute-dtype", default="bfloat16", choices=("bfloat16", "float32", "float16")
+    )
+    train.add_argument(
+        "--comm-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32", "float16"),
+        help="wire dtype of the unquantized collectives",
+    )
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--data", default=None, help="train on this text file instead")
+    train.add_argument("--eval-every", type=int, default=50)
+    train.add_argument("--eval-batches", type=int, default=4)
+    train.add_argument("--metrics", default=None, help="write JSON lines here")
+    train.add_argument("--plot", default=None, help="loss plot PNG (default: beside --metrics)")
+    train.add_argument("--ckpt-dir", default=None)
+    train.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints")
+    train.add_argument("--resume", action="store_true", help="continue from --ckpt-dir")
+    train.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+    _add_technique_flags(train)
+    train.set_defaults(func=_train)
 
     demo = sub.add_parser(
         "demo",

@@ -1,9 +1,11 @@
 """Plain and quantized collectives over the (`node`, `local`) mesh.
 
 Every function here runs *inside* `jax.shard_map` over a mesh built by
-`zpp_jax.make_mesh` and works on flat 1-D vectors. A device's primary shard is
-chunk ``node * local_size + local`` of the full vector (node-major), which is
-exactly how a 1-D array sharded ``P(("node", "local"))`` is laid out.
+`zpp_jax.make_mesh` (or inside `jax.pmap` with one or both axis names) and
+works on flat 1-D vectors. An axis name that is not bound counts as an axis of
+size 1: under ``jax.pmap(..., axis_name="local")`` the devices form one node.
+A device's primary shard is chunk ``node * local_size + local`` of the full
+vector (node-major), which is exactly how a 1-D array sharded ``P(("node", "local"))`` is laid out.
 
 Byte counts below are per device, with N = nodes x local devices, a full
 vector of N*s elements and a shard of s elements.
@@ -20,11 +22,36 @@ from zpp_jax.mesh import AXES, LOCAL, NODE
 
 
 def axis_sizes() -> tuple[int, int]:
-    """(nodes, local) of the enclosing shard_map."""
-    return lax.axis_size(NODE), lax.axis_size(LOCAL)
+    """(nodes, local) of the enclosing shard_map or pmap (1 for an unbound axis)."""
+    return _size(NODE), _size(LOCAL)
 
 
-def gather_rows(shard: jax.Array, comm_dtype=None, axes=AXES) -> jax.Array:
+def axis_index(name: str):
+    """This device's index along `name` (0 for an unbound axis)."""
+    return lax.axis_index(name) if _size(name, check=False) else 0
+
+
+def bound_axes() -> tuple[str, ...]:
+    """The engine's axis names bound here, node first."""
+    axes = tuple(a for a in AXES if _size(a, check=False))
+    if not axes:
+        raise ValueError(
+            "no 'node' or 'local' axis is bound: call the engine inside jax.shard_map over a "
+            "zpp_jax.make_mesh mesh, or inside jax.pmap with axis_name='local'"
+        )
+    return axes
+
+
+def _size(name: str, check: bool = True) -> int:
+    try:
+        return lax.axis_size(name)
+    except NameError:
+        if check:
+            bound_axes()
+        return 1 if check else 0
+
+
+def gather_rows(shard: jax.Array, comm_dtype=None, axes=None) -> jax.Array:
     """Every device's shard (s,) over `axes`, stacked: (N, s) in `comm_dtype`
     (default: the shard's dtype). Moves (N-1)*s elements of `comm_dtype`.
 
@@ -33,6 +60,7 @@ def gather_rows(shard: jax.Array, comm_dtype=None, axes=AXES) -> jax.Array:
     collective and send the wide dtype instead.
     """
     wire = shard if comm_dtype is None else shard.astype(comm_dtype)
+    axes = bound_axes() if axes is None else axes
     return _from_bits(lax.all_gather(_to_bits(wire), axes), wire.dtype)
 
 
@@ -84,7 +112,7 @@ def quantized_gather(shard: jax.Array, bits: int, block_size: int) -> jax.Array:
     peer plus 4 bytes per block, against 4s for fp32 or 2s for bf16.
     """
     wire = to_wire(quant.quantize(shard, bits, block_size))
-    return lax.all_gather(wire, AXES)
+    return lax.all_gather(wire, bound_axes())
 
 
 def quantized_all_gather(
@@ -107,11 +135,13 @@ def reduce_scatter(full: jax.Array, comm_dtype=None) -> jax.Array:
     accumulation instead of rounding at every hop.
     """
     if comm_dtype is None or jnp.dtype(comm_dtype) == jnp.float32:
-        summed = lax.psum_scatter(full.astype(jnp.float32), AXES, scatter_dimension=0, tiled=True)
+        summed = lax.psum_scatter(
+            full.astype(jnp.float32), bound_axes(), scatter_dimension=0, tiled=True
+        )
         return _mean(summed)
     nodes, local = axis_sizes()
     rows = _to_bits(full.astype(comm_dtype).reshape(nodes * local, -1))
-    received = _from_bits(lax.all_to_all(rows, AXES, 0, 0, tiled=True), comm_dtype)
+    received = _from_bits(lax.all_to_all(rows, bound_axes(), 0, 0, tiled=True), comm_dtype)
     return _mean(jnp.sum(received.astype(jnp.float32), axis=0))
 
 

@@ -35,9 +35,13 @@ class ZeroPPConfig:
         `residual_dtype`.
       residual_dtype: "float32" or "bfloat16" storage for the error-feedback
         residual.
-      block_size: elements per quantization block (one fp32 scale each). Must
-        be even when either bit width is 4, so that two codes share a byte
-        without straddling blocks.
+      block_size: elements per weight quantization block (one fp32 scale each).
+        Must be even for 4-bit codes, so that two codes share a byte without
+        straddling blocks.
+      gradient_block_size: elements per gradient quantization block (None: as
+        `block_size`). Gradients have heavier tails than weights, so they get
+        smaller blocks by default (64: the fp32 scale adds 4 bytes per 32 bytes
+        of int4 codes).
       comm_dtype: dtype of the *unquantized* collectives (the plain all-gather
         and reduce-scatter), e.g. "bfloat16" for a ZeRO-3 baseline that moves
         bf16 weights and gradients. None moves the fp32 master values exactly.
@@ -51,6 +55,7 @@ class ZeroPPConfig:
     error_feedback: bool = False
     residual_dtype: str = "float32"
     block_size: int = 256
+    gradient_block_size: int | None = 64
     comm_dtype: str | None = None
 
     def __post_init__(self) -> None:
@@ -67,20 +72,14 @@ class ZeroPPConfig:
                 f"gradient_bits={self.gradient_bits!r} is not supported; use one of "
                 f"{_SUPPORTED_GRADIENT_BITS}"
             )
-        if (
-            not isinstance(self.block_size, int)
-            or isinstance(self.block_size, bool)
-            or self.block_size <= 0
-        ):
-            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
-        uses_int4 = (self.quantize_weights and self.weight_bits == 4) or (
-            self.quantize_gradients and self.gradient_bits == 4
+        _check_block("block_size", self.block_size, self.quantize_weights and self.weight_bits == 4)
+        if self.gradient_block_size is not None:
+            _check_block("gradient_block_size", self.gradient_block_size, False)
+        _check_block(
+            "gradient_block_size" if self.gradient_block_size is not None else "block_size",
+            self.grad_block,
+            self.quantize_gradients and self.gradient_bits == 4,
         )
-        if uses_int4 and self.block_size % 2:
-            raise ValueError(
-                f"block_size={self.block_size} is odd, but 4-bit codes are packed two per "
-                "byte within a block; use an even block_size"
-            )
         if self.error_feedback and not self.quantize_gradients:
             raise ValueError(
                 "error_feedback=True needs quantize_gradients=True: there is no "
@@ -97,6 +96,11 @@ class ZeroPPConfig:
                 "'bfloat16' or 'float16'"
             )
 
+    @property
+    def grad_block(self) -> int:
+        """Block size used for gradients."""
+        return self.block_size if self.gradient_block_size is None else self.gradient_block_size
+
     @classmethod
     def zero3(cls, **overrides) -> ZeroPPConfig:
         """Plain ZeRO-3: every ZeRO++ technique off."""
@@ -107,3 +111,13 @@ class ZeroPPConfig:
     def replace(self, **changes) -> ZeroPPConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def _check_block(name: str, value, int4: bool) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if int4 and value % 2:
+        raise ValueError(
+            f"{name}={value} is odd, but 4-bit codes are packed two per byte within a "
+            f"block; use an even {name}"
+        )

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from zpp_jax import collectives
 from zpp_jax.config import ZeroPPConfig
-from zpp_jax.mesh import LOCAL, NODE, mesh_shape
+from zpp_jax.mesh import LOCAL, mesh_shape
 from zpp_jax.partition import FlatLayout, shard_spec
 
 PyTree = Any
@@ -113,17 +113,18 @@ class ShardedLayer:
         cfg, s = self.config, self.layout.shard_size
         if not cfg.hpz:
             return self._gather_forward(saved)[0]
+        if collectives.axis_sizes()[1] > 1:  # the secondary rows of every local peer
+            saved = collectives.gather_rows(saved, axes=LOCAL)
         if cfg.quantize_weights:
-            rows = lax.all_gather(saved, LOCAL, tiled=True)
+            rows = saved.reshape(-1, *saved.shape[-2:])
             return collectives.dequantize_wire(rows, cfg.weight_bits, s).reshape(-1)
-        rows = collectives.gather_rows(saved.reshape(-1), axes=LOCAL)
-        return rows.reshape(-1).astype(jnp.float32)
+        return saved.reshape(-1).astype(jnp.float32)
 
     def _reduce(self, flat_grad, residual):
         cfg = self.config
         if cfg.quantize_gradients:
             return collectives.hierarchical_reduce_scatter(
-                flat_grad, cfg.gradient_bits, cfg.block_size, residual
+                flat_grad, cfg.gradient_bits, cfg.grad_block, residual
             )
         return collectives.reduce_scatter(flat_grad, cfg.comm_dtype), None
 
@@ -135,8 +136,8 @@ class ShardedLayer:
 def _local_rows(rows):
     """This device's hpZ secondary: rows [l*nodes, (l+1)*nodes) of the gathered
     (N, ...) shards; gathering them over `local` restores all N rows in order."""
-    nodes = lax.axis_size(NODE)
-    return lax.dynamic_slice_in_dim(rows, lax.axis_index(LOCAL) * nodes, nodes, axis=0)
+    nodes, _ = collectives.axis_sizes()
+    return lax.dynamic_slice_in_dim(rows, collectives.axis_index(LOCAL) * nodes, nodes, axis=0)
 
 
 def _build(layer: ShardedLayer):
