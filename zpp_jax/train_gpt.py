@@ -133,6 +133,9 @@ def run(cfg: RunConfig) -> list[dict]:
             np.mean([float(eval_fn(state, batch("val", i))) for i in range(cfg.eval_batches)])
         )
 
+    for path in (cfg.metrics, cfg.plot):
+        if path:
+            pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     records = []
     out = open(cfg.metrics, "a" if cfg.resume else "w") if cfg.metrics else None  # noqa: SIM115
     bar = _progress(cfg, position)
