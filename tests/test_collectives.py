@@ -81,13 +81,10 @@ def _two_rounding_bound(g, nodes, local, bits, block):
     n, full = g.shape
     s = full // n
     rows = g.reshape(nodes, local, nodes, local, s).transpose(0, 1, 3, 2, 4)  # [n, l', l, m, i]
-    rows = rows.reshape(nodes, local, local, nodes * s)
-    step1 = _steps(rows, bits, block)  # quantized on device (n, l'), row for peer l
-    deq1 = np.asarray(
-        quant.dequantize(quant.quantize(jnp.asarray(rows), bits, block), bits, nodes * s)
-    )
-    partial = deq1.sum(axis=1)  # on device (n, l): [n, l, m*s + i]
-    step2 = _steps(partial.reshape(nodes, local, nodes, s), bits, block)  # [n, l, m, i]
+    step1 = _steps(rows, bits, block)  # quantized on device (n, l'), chunk for peer l, node m
+    deq1 = np.asarray(quant.dequantize(quant.quantize(jnp.asarray(rows), bits, block), bits, s))
+    partial = deq1.sum(axis=1)  # on device (n, l): [n, l, m, i]
+    step2 = _steps(partial, bits, block)  # [n, l, m, i]
     b1 = 0.5 * step1.sum(axis=1).reshape(nodes, local, nodes, s).sum(axis=0)  # [l, m, i]
     b2 = 0.5 * step2.sum(axis=0)  # [l, m, i]
     bound = (b1 + b2).transpose(1, 0, 2).reshape(-1)  # destination (m, l) order
@@ -104,8 +101,9 @@ def test_hierarchical_within_two_roundings(mesh, bits, s, block):
     bound = _two_rounding_bound(np.asarray(g), nodes, local, bits, block)
     err = np.abs(np.asarray(out) - exact)
     assert np.all(err <= bound * (1 + 1e-4) + 1e-6), float(np.max(err - bound))
-    # ... and the bound is not vacuous: the error is a sizeable part of it
-    assert err.max() > 0.05 * bound.max()
+    if s > 1:  # (a one-element chunk is its own block: nearly exact)
+        # ... and the bound is not vacuous: the error is a sizeable part of it
+        assert err.max() > 0.05 * bound.max()
 
 
 def test_hierarchical_zero_gradient_stays_zero(mesh):

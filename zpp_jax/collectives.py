@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+import pallas_kernels as kernels
 from zpp_jax import quant
 from zpp_jax.mesh import AXES, LOCAL, NODE
 
@@ -101,7 +102,7 @@ def from_wire(wire: jax.Array, bits: int) -> quant.QuantizedBlocks:
 
 def dequantize_wire(wire: jax.Array, bits: int, size: int, dtype=jnp.float32) -> jax.Array:
     """(..., size) in `dtype` from a wire buffer."""
-    return quant.dequantize(from_wire(wire, bits), bits, size, dtype)
+    return kernels.dequantize(from_wire(wire, bits), bits, size, dtype)
 
 
 def quantized_gather(shard: jax.Array, bits: int, block_size: int) -> jax.Array:
@@ -111,7 +112,7 @@ def quantized_gather(shard: jax.Array, bits: int, block_size: int) -> jax.Array:
     Moves (N-1) * quant.wire_bytes(s) bytes: s (int8) or s/2 (int4) bytes per
     peer plus 4 bytes per block, against 4s for fp32 or 2s for bf16.
     """
-    wire = to_wire(quant.quantize(shard, bits, block_size))
+    wire = to_wire(kernels.quantize(shard, bits, block_size))
     return lax.all_gather(wire, bound_axes())
 
 
@@ -167,11 +168,13 @@ def hierarchical_reduce_scatter(
     """qgZ: quantized hierarchical reduction of `full` (N*s,) to this device's
     shard (s,) of the mean over all N devices, in fp32.
 
-    Steps: reorder the slices so that the intra-node all-to-all sends one
-    contiguous piece per local peer; quantize; all-to-all over `local`;
-    dequantize, sum in fp32 and requantize; all-to-all over `node` on 1/local of
-    the data; dequantize and sum in fp32. A step over an axis of size 1 moves
-    nothing and is skipped, quantization included.
+    Steps: quantize with the slice reordering fused in (the chunks each local
+    peer reduces become contiguous; each chunk of s elements has its own
+    blocks); all-to-all over `local`; one fused kernel dequantizes what
+    arrived, sums it in fp32 and requantizes it with the same blocks;
+    all-to-all over `node` on 1/local of the data; dequantize and sum in fp32.
+    A step over an axis of size 1 moves nothing and is skipped, quantization
+    included.
 
     Bytes per device: (local-1)/local * N*s*bits/8 inside the node and
     (nodes-1)/nodes * nodes*s*bits/8 across nodes, plus 4 bytes per block of
@@ -198,32 +201,49 @@ def hierarchical_reduce_scatter(
             raise ValueError(
                 f"residual has shape {residual.shape}, expected ({residual_size(s, nodes, local)},)"
             )
-        r_local = residual[: n * s].reshape(local, nodes * s).astype(jnp.float32)
+        r_local = residual[: n * s].reshape(local, nodes, s).astype(jnp.float32)
         r_node = residual[n * s :].reshape(nodes, s).astype(jnp.float32)
 
-    # Slice reordering: row j holds what local peer j reduces (its chunks for every node).
-    rows = full.reshape(nodes, local, s).transpose(1, 0, 2).reshape(local, nodes * s)
-    rows, r_local = _exchange_and_sum(rows, LOCAL, local, bits, block_size, r_local)
-    rows = rows.reshape(nodes, s)
-    shard, r_node = _exchange_and_sum(rows, NODE, nodes, bits, block_size, r_node)
+    if local > 1:
+        # Row [l, m] = chunk m*local + l: what local peer l reduces for node m.
+        if r_local is None:
+            q = kernels.quantize_reordered(full, nodes, local, bits, block_size)
+        else:
+            rows = full.reshape(nodes, local, s).swapaxes(0, 1) + r_local
+            q = kernels.quantize(rows, bits, block_size)
+            r_local = rows - kernels.dequantize(q, bits, s)
+        arrived = from_wire(lax.all_to_all(to_wire(q), LOCAL, 0, 0, tiled=True), bits)
+        if nodes == 1:
+            return _mean(_dequantize_sum(arrived, bits, s)[0]), _pack_residual(
+                residual, r_local, r_node
+            )
+        q, r_node = kernels.dequantize_sum_quantize(arrived, bits, s, r_node)
+    else:
+        rows = full.reshape(nodes, s)
+        if r_node is not None:
+            rows = rows + r_node
+        q = kernels.quantize(rows, bits, block_size)
+        if r_node is not None:
+            r_node = rows - kernels.dequantize(q, bits, s)
+    if nodes > 1:
+        arrived = from_wire(lax.all_to_all(to_wire(q), NODE, 0, 0, tiled=True), bits)
+        shard = _dequantize_sum(arrived, bits, s)
+    else:  # a 1 x 1 mesh: nothing to reduce
+        shard = kernels.dequantize(q, bits, s)[0]
+    return _mean(shard), _pack_residual(residual, r_local, r_node)
 
-    new_residual = None
-    if residual is not None:
-        new_residual = jnp.concatenate([r_local.reshape(-1), r_node.reshape(-1)]).astype(
-            residual.dtype
-        )
-    return _mean(shard), new_residual
+
+def _dequantize_sum(q: quant.QuantizedBlocks, bits: int, size: int) -> jax.Array:
+    """Sum over the leading axis of dequantized blocks, in fp32, left to right."""
+    parts = kernels.dequantize(q, bits, size)
+    total = parts[0]
+    for j in range(1, parts.shape[0]):
+        total = total + parts[j]
+    return total
 
 
-def _exchange_and_sum(rows, axis, size, bits, block_size, residual):
-    """Send row j to peer j over `axis` (quantized), return the fp32 sum of what arrives."""
-    if size == 1:
-        return rows[0], residual
-    if residual is not None:
-        rows = rows + residual
-    q = quant.quantize(rows, bits, block_size)
-    if residual is not None:
-        residual = rows - quant.dequantize(q, bits, rows.shape[-1])
-    received = lax.all_to_all(to_wire(q), axis, 0, 0, tiled=True)
-    received = dequantize_wire(received, bits, rows.shape[-1])
-    return jnp.sum(received, axis=0), residual
+def _pack_residual(residual, r_local, r_node):
+    if residual is None:
+        return None
+    pieces = [r.reshape(-1) for r in (r_local, r_node)]
+    return jnp.concatenate(pieces).astype(residual.dtype)

@@ -6,18 +6,26 @@ The numerics, defined exactly so that every kernel backend (see
 * The input is cast to fp32 and cut along its last axis into blocks of `block`
   elements; the last block is padded with zeros (padding never changes a
   block's absmax, and it is dropped again by `dequantize`).
-* Per block: ``absmax = max(|x|)``, ``scale = absmax / qmax`` in fp32 with
-  ``qmax = 2**(bits-1) - 1`` (127 for int8, 7 for int4: symmetric, no zero
-  point, the code -2**(bits-1) is never produced).
+* Per block: ``absmax = max(|x|)``, ``scale = round_up_16(absmax / qmax)``
+  in fp32 with ``qmax = 2**(bits-1) - 1`` (127 for int8, 7 for int4:
+  symmetric, no zero point, the code -2**(bits-1) is never produced).
+  ``round_up_16`` rounds the fp32 scale up to 16 significant bits (clears the
+  low 8 mantissa bits, rounding away from zero). Then every ``code * scale``
+  is exact in fp32, so dequantization, sums of dequantized values and the
+  error-feedback residual round identically whether or not a compiler fuses
+  the multiply into an add (FMA): kernels match the reference bit for bit on
+  any backend.
 * ``code = clip(round_half_to_even(x / scale), -qmax, qmax)`` with an IEEE fp32
   division. An all-zero block has ``scale = 0`` and codes 0, and dequantizes to
   exact zeros (never NaN).
 * A block holding NaN or +-Inf gets a non-finite scale and codes 0, so every
   element of it dequantizes to NaN: a non-finite gradient can never turn into a
   silently wrong finite value.
-* int4 codes are packed two per byte (uint8): element 2i in the low nibble,
-  element 2i+1 in the high nibble, two's complement. Blocks are even-sized for
-  int4, so a byte never straddles two blocks.
+* int4 codes are packed two per byte (uint8) within each block of b elements:
+  byte j holds element j in its low nibble and element j + b/2 in its high
+  nibble, two's complement. (Two contiguous halves, so a kernel reads and
+  writes each half with unit stride.) Blocks are even-sized for int4, so a
+  byte never straddles two blocks.
 * ``dequantize = code * scale`` in fp32, then cast to the requested dtype.
 
 The error of a finite element is at most half a step, ``scale / 2`` (plus fp32
@@ -103,7 +111,11 @@ def quantize(x: jax.Array, bits: int, block_size: int) -> QuantizedBlocks:
         xf = jnp.pad(xf, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
     xf = xf.reshape(*x.shape[:-1], nb, block)
     absmax = jnp.max(jnp.abs(xf), axis=-1)
-    scales = absmax / jnp.float32(qmax(bits))
+    # A max reduction need not propagate NaN (XLA:CPU's vectorized one does
+    # not always): say it explicitly.
+    has_nan = jnp.any(jnp.isnan(xf), axis=-1)
+    scales = round_up_16(absmax / jnp.float32(qmax(bits)))
+    scales = jnp.where(has_nan, jnp.float32(jnp.nan), scales)
     finite = jnp.isfinite(scales)
     safe = jnp.where((scales == 0) | ~finite, jnp.float32(1), scales)
     q = jnp.clip(jnp.round(xf / safe[..., None]), -qmax(bits), qmax(bits))
@@ -124,13 +136,23 @@ def dequantize(
     return x.astype(dtype)
 
 
+def round_up_16(scale: jax.Array) -> jax.Array:
+    """Round non-negative fp32 values up to 16 significant bits (Inf and NaN
+    stay as they are; IEEE ordering makes the carry into the exponent right)."""
+    u = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+    u = (u + jnp.uint32(0xFF)) & jnp.uint32(0xFFFFFF00)
+    rounded = jax.lax.bitcast_convert_type(u, jnp.float32)
+    return jnp.where(jnp.isfinite(scale), rounded, scale)
+
+
 def pack_int4(codes: jax.Array) -> jax.Array:
-    """Pack int8 codes in [-8, 7] two per byte along the last (even) axis -> uint8."""
+    """Pack int8 codes in [-8, 7] of blocks along the last (even) axis -> uint8:
+    byte j = element j (low nibble) | element j + b/2 (high nibble)."""
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_int4 needs an even last axis, got shape {codes.shape}")
+    half = codes.shape[-1] // 2
     u = codes.astype(jnp.uint8) & jnp.uint8(0x0F)
-    u = u.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
-    return u[..., 0] | (u[..., 1] << jnp.uint8(4))
+    return u[..., :half] | (u[..., half:] << jnp.uint8(4))
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:
@@ -139,7 +161,7 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
     # Shifting left then arithmetic-right sign-extends each nibble.
     lo = (b << 4) >> 4
     hi = b >> 4
-    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], -1)
+    return jnp.concatenate([lo, hi], axis=-1)
 
 
 def wire_bytes(n: int, bits: int, block_size: int) -> int:

@@ -1,0 +1,340 @@
+"""Pallas kernels (Triton lowering) for block quantization.
+
+Layout: every kernel works on rows of one quantization block each, a tile of
+R rows per program. Blocks whose width is not a power of two are padded with
+zeros to one (Triton tiles are powers of two), and the row count to a
+multiple of R; both paddings are copies made only when needed (never for the
+engine's default 256 / 64 blocks on aligned sizes). int4 blocks are handled as
+their two contiguous halves, matching the packing of `zpp_jax.quant`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from zpp_jax import quant
+from zpp_jax.quant import QuantizedBlocks
+
+_TILE_ELEMENTS = 8192
+_NUM_WARPS = 4
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _rows_per_tile(rows: int, width: int) -> int:
+    return min(_pow2(rows), _floor_pow2(max(1, _TILE_ELEMENTS // width)))
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret):
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=_NUM_WARPS),
+    )
+
+
+# -- numerics shared by every kernel (identical to zpp_jax.quant) --------------
+
+
+def _round_half_even(y):
+    # jnp.round has no Triton lowering. On |y|, floor and the remainder are
+    # exact, so this equals round-half-to-even for every finite y.
+    a = jnp.abs(y)
+    r = jnp.floor(a)
+    d = a - r
+    odd = (r - 2.0 * jnp.floor(r * 0.5)) == 1.0
+    up = jnp.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
+    return jnp.where(y < 0, -(r + up), r + up)
+
+
+def _round_up_16(scale):
+    u = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+    rounded = jax.lax.bitcast_convert_type(
+        (u + jnp.uint32(0xFF)) & jnp.uint32(0xFFFFFF00), jnp.float32
+    )
+    return jnp.where(scale < jnp.inf, rounded, scale)
+
+
+def _quantize_parts(parts, bits):
+    """fp32 parts of a tile of blocks (each (R, w)) -> float codes per part, scales (R,)."""
+    qmax = float(quant.qmax(bits))
+    absmax = None
+    has_nan = None
+    for p in parts:
+        m = jnp.max(jnp.abs(p), axis=1)
+        n = jnp.max(jnp.where(p != p, 1.0, 0.0), axis=1)
+        absmax = m if absmax is None else jnp.maximum(absmax, m)
+        has_nan = n if has_nan is None else jnp.maximum(has_nan, n)
+    # NaN propagation of a max reduction differs between backends: say it explicitly.
+    scales = jnp.where(has_nan > 0, jnp.nan, _round_up_16(absmax / qmax))
+    finite = scales < jnp.inf
+    safe = jnp.where((scales == 0) | ~finite, 1.0, scales)
+    codes = [
+        jnp.where(finite[:, None], jnp.clip(_round_half_even(p / safe[:, None]), -qmax, qmax), 0.0)
+        for p in parts
+    ]
+    return codes, scales
+
+
+def _pack(lo, hi):
+    v = (lo.astype(jnp.int32) & 15) | ((hi.astype(jnp.int32) & 15) << 4)
+    return v.astype(jnp.uint8)
+
+
+def _unpack(packed):
+    v = packed.astype(jnp.int32)
+    lo, hi = v & 15, (v >> 4) & 15
+    return jnp.where(lo >= 8, lo - 16, lo), jnp.where(hi >= 8, hi - 16, hi)
+
+
+def _decode(codes, bits):
+    """Codes of a tile -> fp32 parts (one for int8, two halves for int4)."""
+    if bits == 8:
+        return [codes.astype(jnp.float32)]
+    return [c.astype(jnp.float32) for c in _unpack(codes)]
+
+
+def _store_codes(ref, codes, bits):
+    if bits == 8:
+        ref[...] = codes[0].astype(jnp.int8)
+    else:
+        ref[...] = _pack(codes[0], codes[1])
+
+
+def _store_parts(ref, parts, dtype):
+    if len(parts) == 1:
+        ref[...] = parts[0].astype(dtype)
+    else:
+        ref[:, 0, :] = parts[0].astype(dtype)
+        ref[:, 1, :] = parts[1].astype(dtype)
+
+
+def _load_parts(ref, halves):
+    if not halves:
+        return [ref[...].astype(jnp.float32)]
+    return [ref[:, 0, :].astype(jnp.float32), ref[:, 1, :].astype(jnp.float32)]
+
+
+# -- blocked layouts -----------------------------------------------------------
+
+
+def _blocked(x: jax.Array, block: int, bits: int) -> tuple[jax.Array, int, int]:
+    """(..., n) -> (..., nb, W) or (..., nb, 2, W) with W a power of two."""
+    n = x.shape[-1]
+    nb = quant.num_blocks(n, block)
+    x = _pad_axis(x, -1, nb * block).reshape(*x.shape[:-1], nb, block)
+    if bits == 4:
+        x = x.reshape(*x.shape[:-1], 2, block // 2)
+        return _pad_axis(x, -1, _pow2(block // 2)), nb, _pow2(block // 2)
+    return _pad_axis(x, -1, _pow2(block)), nb, _pow2(block)
+
+
+# -- quantize (optionally with the leading axes swapped) ------------------------
+
+
+def _quantize_kernel(bits, x_ref, c_ref, s_ref):
+    codes, scales = _quantize_parts(_load_parts(x_ref, bits == 4), bits)
+    _store_codes(c_ref, codes, bits)
+    s_ref[...] = scales
+
+
+def quantize_4d(x: jax.Array, bits: int, block: int, swap: bool, interpret: bool):
+    """x (A, B, n) -> QuantizedBlocks of (B, A, nb, ...) if `swap` else (A, B, nb, ...)."""
+    a, b, _ = x.shape
+    xb, nb, w = _blocked(x, block, bits)
+    r = _rows_per_tile(nb, w * (2 if bits == 4 else 1))
+    nbp = -(-nb // r) * r
+    xb = _pad_axis(xb, 2, nbp)
+    out_lead = (b, a) if swap else (a, b)
+    cdtype = jnp.uint8 if bits == 4 else jnp.int8
+
+    def src(i, j, t):
+        return (j, i, t) if swap else (i, j, t)  # grid (i, j) walks the output order
+
+    if bits == 4:
+        in_spec = pl.BlockSpec((None, None, r, 2, w), lambda i, j, t: (*src(i, j, t), 0, 0))
+    else:
+        in_spec = pl.BlockSpec((None, None, r, w), lambda i, j, t: (*src(i, j, t), 0))
+    grid = (out_lead[0], out_lead[1], nbp // r)
+    codes, scales = _call(
+        functools.partial(_quantize_kernel, bits),
+        grid,
+        [in_spec],
+        [
+            pl.BlockSpec((None, None, r, w), lambda i, j, t: (i, j, t, 0)),
+            pl.BlockSpec((None, None, r), lambda i, j, t: (i, j, t)),
+        ],
+        [
+            jax.ShapeDtypeStruct((*out_lead, nbp, w), cdtype),
+            jax.ShapeDtypeStruct((*out_lead, nbp), jnp.float32),
+        ],
+        interpret,
+    )(xb)
+    cw = block // 2 if bits == 4 else block
+    return QuantizedBlocks(codes[:, :, :nb, :cw], scales[:, :, :nb])
+
+
+def quantize(x: jax.Array, bits: int, block_size: int, interpret: bool) -> QuantizedBlocks:
+    lead = x.shape[:-1]
+    block = quant.effective_block_size(x.shape[-1], block_size, bits)
+    q = quantize_4d(x.reshape(1, math.prod(lead), x.shape[-1]), bits, block, False, interpret)
+    return QuantizedBlocks(
+        q.codes.reshape(*lead, *q.codes.shape[2:]), q.scales.reshape(*lead, q.scales.shape[-1])
+    )
+
+
+def quantize_reordered(full, nodes, local, bits, block_size, interpret) -> QuantizedBlocks:
+    s = full.shape[-1] // (nodes * local)
+    block = quant.effective_block_size(s, block_size, bits)
+    return quantize_4d(full.reshape(nodes, local, s), bits, block, True, interpret)
+
+
+# -- dequantize ----------------------------------------------------------------
+
+
+def _codes_blocked(q: QuantizedBlocks, bits: int):
+    """Codes (..., nb, c) -> (G, nbp, W) padded, scales (G, nbp); returns tile rows too."""
+    lead = q.codes.shape[:-2]
+    nb, c = q.codes.shape[-2:]
+    g = math.prod(lead)
+    w = _pow2(c)
+    r = _rows_per_tile(nb, w * (2 if bits == 4 else 1))
+    nbp = -(-nb // r) * r
+    codes = _pad_axis(_pad_axis(q.codes.reshape(g, nb, c), 2, w), 1, nbp)
+    scales = _pad_axis(q.scales.reshape(g, nb), 1, nbp)
+    return codes, scales, lead, nb, c, w, r, nbp
+
+
+def _dequantize_kernel(bits, dtype, c_ref, s_ref, o_ref):
+    scale = s_ref[...][:, None]
+    _store_parts(o_ref, [p * scale for p in _decode(c_ref[...], bits)], dtype)
+
+
+def _parts_spec(r, w, bits, lead_dims=1):
+    none = (None,) * lead_dims
+    if bits == 4:
+        return pl.BlockSpec((*none, r, 2, w), lambda i, t: (i, t, 0, 0))
+    return pl.BlockSpec((*none, r, w), lambda i, t: (i, t, 0))
+
+
+def _unblock(parts, bits, lead, nb, c, size):
+    """(G, nbp, [2,] W) -> (..., size)."""
+    g = parts.shape[0]
+    if bits == 4:
+        parts = parts[:, :nb, :, :c].reshape(g, nb * 2 * c)
+    else:
+        parts = parts[:, :nb, :c].reshape(g, nb * c)
+    return parts[:, :size].reshape(*lead, size)
+
+
+def _parts_shape(g, nbp, w, bits, dtype):
+    shape = (g, nbp, 2, w) if bits == 4 else (g, nbp, w)
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def dequantize(q: QuantizedBlocks, bits: int, size: int, dtype, interpret: bool):
+    codes, scales, lead, nb, c, w, r, nbp = _codes_blocked(q, bits)
+    g = codes.shape[0]
+    out = _call(
+        functools.partial(_dequantize_kernel, bits, jnp.dtype(dtype)),
+        (g, nbp // r),
+        [
+            pl.BlockSpec((None, r, w), lambda i, t: (i, t, 0)),
+            pl.BlockSpec((None, r), lambda i, t: (i, t)),
+        ],
+        _parts_spec(r, w, bits),
+        _parts_shape(g, nbp, w, bits, dtype),
+        interpret,
+    )(codes, scales)
+    return _unblock(out, bits, lead, nb, c, size)
+
+
+# -- fused dequantize -> sum over k -> (+ residual) -> requantize ----------------
+
+
+def _dsq_kernel(bits, k, with_residual, c_ref, s_ref, *refs):
+    if with_residual:
+        r_ref, oc_ref, os_ref, or_ref = refs
+    else:
+        oc_ref, os_ref = refs
+    total = None
+    for j in range(k):
+        scale = s_ref[j][:, None]
+        parts = [p * scale for p in _decode(c_ref[j], bits)]
+        total = parts if total is None else [a + b for a, b in zip(total, parts, strict=True)]
+    if with_residual:
+        total = [a + b for a, b in zip(total, _load_parts(r_ref, bits == 4), strict=True)]
+    codes, scales = _quantize_parts(total, bits)
+    _store_codes(oc_ref, codes, bits)
+    os_ref[...] = scales
+    if with_residual:
+        lost = [t - c * scales[:, None] for t, c in zip(total, codes, strict=True)]
+        _store_parts(or_ref, lost, jnp.float32)
+
+
+def dequantize_sum_quantize(q, bits, size, residual, interpret):
+    k = q.codes.shape[0]
+    sub = QuantizedBlocks(q.codes[0], q.scales[0])
+    _, _, lead, nb, c, w, r, nbp = _codes_blocked(sub, bits)
+    g = math.prod(lead)
+    codes = _pad_axis(_pad_axis(q.codes.reshape(k, g, nb, c), 3, w), 2, nbp)
+    scales = _pad_axis(q.scales.reshape(k, g, nb), 2, nbp)
+    args = [codes, scales]
+    in_specs = [
+        pl.BlockSpec((k, None, r, w), lambda i, t: (0, i, t, 0)),
+        pl.BlockSpec((k, None, r), lambda i, t: (0, i, t)),
+    ]
+    cdtype = jnp.uint8 if bits == 4 else jnp.int8
+    out_specs = [
+        pl.BlockSpec((None, r, w), lambda i, t: (i, t, 0)),
+        pl.BlockSpec((None, r), lambda i, t: (i, t)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((g, nbp, w), cdtype),
+        jax.ShapeDtypeStruct((g, nbp), jnp.float32),
+    ]
+    with_residual = residual is not None
+    if with_residual:
+        block = c * (2 if bits == 4 else 1)
+        rb, _, _ = _blocked(residual.astype(jnp.float32).reshape(g, size), block, bits)
+        args.append(_pad_axis(rb, 1, nbp))
+        in_specs.append(_parts_spec(r, w, bits))
+        out_specs.append(_parts_spec(r, w, bits))
+        out_shape.append(_parts_shape(g, nbp, w, bits, jnp.float32))
+    outs = _call(
+        functools.partial(_dsq_kernel, bits, k, with_residual),
+        (g, nbp // r),
+        in_specs,
+        out_specs,
+        out_shape,
+        interpret,
+    )(*args)
+    out = QuantizedBlocks(
+        outs[0][:, :nb, :c].reshape(*lead, nb, c), outs[1][:, :nb].reshape(*lead, nb)
+    )
+    new = _unblock(outs[2], bits, lead, nb, c, size) if with_residual else None
+    return out, new

@@ -1,0 +1,31 @@
+"""Block quantization: `quantize` (API) over `_triton` (kernel) and `_reference`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from pallas_kernels import _reference, _triton
+from pallas_kernels._dispatch import by_platform
+from zpp_jax import quant
+from zpp_jax.quant import QuantizedBlocks
+
+
+def quantize(
+    x: jax.Array, bits: int, block_size: int, *, interpret: bool = False
+) -> QuantizedBlocks:
+    """Block-quantize `x` along its last axis, exactly as `zpp_jax.quant.quantize`
+    (codes and scales bit for bit).
+
+    Reads the input once and writes 1 (int8) or 1/2 (int4) byte per element
+    plus 4 bytes per block.
+    """
+    quant.check_float(x.dtype, "quantize")
+    quant.check_block_size(block_size, bits)
+    return by_platform(
+        functools.partial(_triton.quantize, bits=bits, block_size=block_size),
+        functools.partial(_reference.quantize, bits=bits, block_size=block_size),
+        interpret,
+        x,
+    )

@@ -1,0 +1,40 @@
+"""The middle step of the hierarchical gradient reduction, fused:
+dequantize k inputs, sum them in fp32, add the error-feedback residual,
+requantize."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels import _reference, _triton
+from pallas_kernels._dispatch import by_platform
+from zpp_jax import quant
+from zpp_jax.quant import QuantizedBlocks
+
+
+def dequantize_sum_quantize(
+    q: QuantizedBlocks,
+    bits: int,
+    size: int,
+    residual: jax.Array | None = None,
+    *,
+    interpret: bool = False,
+) -> tuple[QuantizedBlocks, jax.Array | None]:
+    """`q` holds k quantized inputs stacked on a leading axis (codes
+    ``(k, ..., nb, c)``); returns their fp32 sum (left to right, plus
+    `residual` of shape ``(..., size)`` if given) requantized with the same
+    blocks, and the new residual (fp32: what the requantization lost) or None.
+
+    One pass: reads k x (codes + scales) and the residual, writes one set of
+    codes + scales and the residual; the fp32 sum never leaves the chip.
+    """
+    quant.check_bits(bits)
+    return by_platform(
+        lambda q, residual, interpret: _triton.dequantize_sum_quantize(
+            q, bits, size, residual, interpret
+        ),
+        lambda q, residual: _reference.dequantize_sum_quantize(q, bits, size, residual),
+        interpret,
+        q,
+        residual,
+    )
