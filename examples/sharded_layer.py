@@ -15,7 +15,10 @@ from zpp_jax.models.blocks import block, init_stack
 
 mesh = zpp.make_mesh(nodes=2, local=4)
 config = zpp.ZeroPPConfig()  # qwZ + hpZ + qgZ; ZeroPPConfig.zero3() for the baseline
-shards, layout = zpp.shard_params(init_stack(jax.random.key(0), 4, 64, 256), mesh, stacked=True)
+# align: quantization blocks never straddle two tensors
+shards, layout = zpp.shard_params(
+    init_stack(jax.random.key(0), 4, 64, 256), mesh, stacked=True, align=config.alignment
+)
 layer = zpp.ShardedLayer(block, layout, config)
 
 x = jax.device_put(

@@ -92,3 +92,14 @@ def test_errors(tmp_path):
     bigger = _trainer((2, 4), cfg=GPTConfig.preset("tiny", seq_len=16, n_layers=2, d_ff=128))
     with pytest.raises(ValueError, match="another model"):
         Checkpointer(tmp_path).restore(bigger)
+
+
+def test_restores_across_layout_alignments(tmp_path):
+    """A ZeRO-3 checkpoint (no alignment) restores into a ZeRO++ trainer (blocks aligned)."""
+    z3 = _trainer((2, 4), config=ZeroPPConfig.zero3())
+    state = _trained(z3)
+    Checkpointer(tmp_path).save(z3, state, 2)
+    zpp = _trainer((2, 4), config=ZeroPPConfig())
+    assert zpp.layouts["blocks"].offsets != z3.layouts["blocks"].offsets
+    restored, _ = Checkpointer(tmp_path).restore(zpp)
+    assert _equal(zpp.export(restored), z3.export(state))

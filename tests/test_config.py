@@ -64,3 +64,10 @@ def test_odd_block_is_fine_without_int4():
     assert ZeroPPConfig(gradient_block_size=None, gradient_bits=8, block_size=255).grad_block == 255
     with pytest.raises(ValueError, match="odd"):
         ZeroPPConfig(gradient_block_size=None).replace(block_size=33)
+
+
+def test_alignment_is_the_lcm_of_active_blocks():
+    assert ZeroPPConfig().alignment == 256
+    assert ZeroPPConfig(block_size=96, gradient_block_size=64).alignment == 192
+    assert ZeroPPConfig(quantize_weights=False).alignment == 64
+    assert ZeroPPConfig.zero3().alignment == 1

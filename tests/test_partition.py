@@ -53,3 +53,18 @@ def test_stacked_layer_counts_must_agree():
 def test_empty():
     with pytest.raises(ValueError, match="empty"):
         FlatLayout.from_tree({}, 8)
+
+
+def test_alignment_keeps_blocks_inside_one_tensor(mesh24):
+    tree = {"a": jnp.ones(5), "b": jnp.full((3, 7), 2.0), "c": jnp.full((300,), 3.0)}
+    shards, layout = shard_params(tree, mesh24, align=64)
+    assert layout.offsets == (0, 64, 128) and layout.size == 428
+    assert layout.shard_size % 64 == 0 and layout.shard_size * 8 >= 428
+    flat = np.asarray(shards)
+    for block in flat.reshape(-1, 64):  # every block holds one tensor's values (or zeros)
+        assert len(set(block[block != 0].tolist())) <= 1
+    back = unshard_params(shards, layout)
+    for k in tree:
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]))
+    with pytest.raises(ValueError, match="align must be a positive int"):
+        FlatLayout.from_tree(tree, 8, align=0)

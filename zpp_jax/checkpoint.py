@@ -49,7 +49,11 @@ class Checkpointer:
             "data_position": int(data_position),
             "mesh": [nodes, local],
             "layouts": {
-                g: {"size": layout.size, "padded_size": layout.padded_size}
+                g: {
+                    "padded_size": layout.padded_size,
+                    "offsets": list(layout.offsets),
+                    "sizes": list(layout.sizes),
+                }
                 for g, layout in trainer.layouts.items()
             },
             "error_feedback": trainer.config.error_feedback,
@@ -79,9 +83,11 @@ class Checkpointer:
 
         On the mesh it was saved from, every array comes back as it was, bit
         for bit, sharded for `trainer`. On another mesh (another device count
-        or node x local split) the parameters and optimizer state are re-padded
-        for the new shard size; the error-feedback residuals, which belong to a
-        mesh's reduction order, restart from zero (`meta["residuals_reset"]`).
+        or node x local split) or another flat layout (e.g. another
+        quantization alignment) each tensor of the parameters and optimizer
+        state is moved to its new place; the error-feedback residuals, which
+        belong to a mesh's reduction order, restart from zero
+        (`meta["residuals_reset"]`).
 
         Raises:
           ValueError: no checkpoint, or one of another model.
@@ -93,14 +99,18 @@ class Checkpointer:
             "meta"
         ]
         target = trainer.abstract_state()
+        same_layout = True
         for g, layout in trainer.layouts.items():
-            if meta["layouts"][g]["size"] != layout.size:
+            saved = meta["layouts"][g]
+            if saved["sizes"] != list(layout.sizes):
                 raise ValueError(
-                    f"checkpoint {step} holds a {g} of {meta['layouts'][g]['size']} parameters, "
-                    f"the model has {layout.size}: it is of another model"
+                    f"checkpoint {step} holds a {g} with tensors of {saved['sizes']} elements, "
+                    f"the model has {list(layout.sizes)}: it is of another model"
                 )
+            same_layout &= saved["offsets"] == list(layout.offsets)
+            same_layout &= saved["padded_size"] == layout.padded_size
         same_mesh = meta["mesh"] == list(mesh_shape(trainer.mesh))
-        if same_mesh and meta["error_feedback"] == trainer.config.error_feedback:
+        if same_mesh and same_layout and meta["error_feedback"] == trainer.config.error_feedback:
             state = self._restore_state(step, target)
             meta["residuals_reset"] = False
             return state, meta
@@ -139,9 +149,12 @@ class Checkpointer:
             g = _group(path)
             arr = np.asarray(leaf)
             if g is not None and arr.ndim:
-                size = trainer.layouts[g].size
-                pad = [(0, 0)] * (arr.ndim - 1) + [(0, new.shape[-1] - size)]
-                arr = np.pad(arr[..., :size], pad)
+                out = np.zeros(arr.shape[:-1] + (new.shape[-1],), arr.dtype)
+                old_offsets = meta["layouts"][g]["offsets"]
+                layout = trainer.layouts[g]
+                for o, n, size in zip(old_offsets, layout.offsets, layout.sizes, strict=True):
+                    out[..., n : n + size] = arr[..., o : o + size]
+                arr = out
             return jax.device_put(arr.astype(new.dtype), new.sharding)
 
         params = jax.tree_util.tree_map_with_path(remap, old.params, target.params)

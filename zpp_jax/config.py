@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 _SUPPORTED_WEIGHT_BITS = (4, 8)
 _SUPPORTED_GRADIENT_BITS = (4, 8)
@@ -95,6 +96,17 @@ class ZeroPPConfig:
                 f"comm_dtype={self.comm_dtype!r} is not supported; use None, 'float32', "
                 "'bfloat16' or 'float16'"
             )
+
+    @property
+    def alignment(self) -> int:
+        """The flat-layout alignment that keeps every quantization block inside
+        one tensor: the lcm of the active block sizes (1 if nothing is quantized)."""
+        sizes = [1]
+        if self.quantize_weights:
+            sizes.append(self.block_size)
+        if self.quantize_gradients:
+            sizes.append(self.grad_block)
+        return math.lcm(*sizes)
 
     @property
     def grad_block(self) -> int:

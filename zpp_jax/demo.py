@@ -57,7 +57,9 @@ def run_demo(
     if batch % n:
         raise ValueError(f"--batch {batch} must be a multiple of the {n} devices")
     kp, kx, ky = jax.random.split(jax.random.key(seed), 3)
-    shards, layout = shard_params(init_stack(kp, layers, d_model, d_ff), mesh, stacked=True)
+    shards, layout = shard_params(
+        init_stack(kp, layers, d_model, d_ff), mesh, stacked=True, align=config.alignment
+    )
     data = NamedSharding(mesh, P(AXES))
     x = jax.device_put(jax.random.normal(kx, (batch, seq, d_model)), data)
     y = jax.device_put(jax.random.normal(ky, (batch, seq, d_model)), data)

@@ -32,10 +32,15 @@ class FlatLayout:
     Attributes:
       treedef: the pytree structure.
       shapes, dtypes: per leaf, of one layer (without a stacking axis).
-      offsets: start of each leaf in the flat vector.
-      size: number of real elements (sum of leaf sizes).
+      offsets: start of each leaf in the flat vector (multiples of `align`).
+      size: extent of the data: end of the last leaf (alignment gaps included).
       num_shards: N, the number of devices sharing the vector.
-      shard_size: s = ceil(size / N); the padded vector has N*s elements.
+      shard_size: s = ceil(size / N) rounded up to a multiple of `align`; the
+        padded vector has N*s elements.
+      align: with align = the quantization block size, every leaf starts on a
+        block boundary and so does every shard, so no quantization block mixes
+        two tensors (a LayerNorm scale of ~1 would otherwise set the scale of
+        a block of weights of ~0.02). Costs < align zeros per leaf.
     """
 
     treedef: Any
@@ -45,13 +50,16 @@ class FlatLayout:
     size: int
     num_shards: int
     shard_size: int
+    align: int = 1
 
     @property
     def padded_size(self) -> int:
         return self.num_shards * self.shard_size
 
     @classmethod
-    def from_tree(cls, tree: PyTree, num_shards: int, stacked: bool = False) -> FlatLayout:
+    def from_tree(
+        cls, tree: PyTree, num_shards: int, stacked: bool = False, align: int = 1
+    ) -> FlatLayout:
         """Layout of `tree` over `num_shards` devices.
 
         With `stacked`, every leaf has a leading layer axis that is not part of
@@ -87,21 +95,44 @@ class FlatLayout:
             dtypes.append(jnp.dtype(dtype))
         if stacked and len({np.shape(leaf)[0] for leaf in leaves}) != 1:
             raise ValueError("stacked parameters disagree on the number of layers (leading axis)")
+        if not isinstance(align, int) or align <= 0:
+            raise ValueError(f"align must be a positive int, got {align!r}")
         sizes = [math.prod(s) for s in shapes]
-        offsets = tuple(int(o) for o in np.cumsum([0] + sizes[:-1]))
-        size = int(sum(sizes))
-        if size == 0:
+        if sum(sizes) == 0:
             raise ValueError("cannot partition parameters with zero elements")
-        shard_size = -(-size // num_shards)
-        return cls(treedef, tuple(shapes), tuple(dtypes), offsets, size, num_shards, shard_size)
+        offsets, end = [], 0
+        for n in sizes:
+            offsets.append(end)
+            end += -(-n // align) * align if n else 0
+        size = offsets[-1] + sizes[-1]
+        per_device = -(-size // num_shards)
+        shard_size = -(-per_device // align) * align
+        return cls(
+            treedef,
+            tuple(shapes),
+            tuple(dtypes),
+            tuple(offsets),
+            size,
+            num_shards,
+            shard_size,
+            align,
+        )
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
 
     def flatten(self, tree: PyTree) -> jax.Array:
         """The padded fp32 vector (N*s,) of one layer's pytree (traceable)."""
         leaves = self.treedef.flatten_up_to(tree)
-        parts = [jnp.ravel(leaf).astype(jnp.float32) for leaf in leaves]
-        pad = self.padded_size - self.size
-        if pad:
-            parts.append(jnp.zeros((pad,), jnp.float32))
+        parts, end = [], 0
+        for leaf, off in zip(leaves, self.offsets, strict=True):
+            if off > end:
+                parts.append(jnp.zeros((off - end,), jnp.float32))
+            parts.append(jnp.ravel(leaf).astype(jnp.float32))
+            end = off + math.prod(np.shape(leaf))
+        if self.padded_size > end:
+            parts.append(jnp.zeros((self.padded_size - end,), jnp.float32))
         return jnp.concatenate(parts)
 
     def unflatten(self, flat: jax.Array, dtype=None) -> PyTree:
@@ -126,15 +157,18 @@ def shard_spec(stacked: bool = False) -> P:
     return P(None, AXES) if stacked else P(AXES)
 
 
-def shard_params(tree: PyTree, mesh: Mesh, stacked: bool = False) -> tuple[jax.Array, FlatLayout]:
+def shard_params(
+    tree: PyTree, mesh: Mesh, stacked: bool = False, align: int = 1
+) -> tuple[jax.Array, FlatLayout]:
     """Flatten, pad and shard a pytree onto `mesh`.
 
     Returns the fp32 primary-shard array, shape (N*s,) (or (layers, N*s) when
     `stacked`) sharded so each device holds s (or layers x s) elements, and the
-    layout to undo it. Memory kept: 4 bytes per parameter over N devices.
+    layout to undo it. Pass ``align=config.alignment`` so that quantization
+    blocks never straddle two tensors. Memory kept: 4 bytes per parameter over N devices.
     """
     nodes, local = mesh_shape(mesh)
-    layout = FlatLayout.from_tree(tree, nodes * local, stacked=stacked)
+    layout = FlatLayout.from_tree(tree, nodes * local, stacked=stacked, align=align)
     flatten = jax.vmap(layout.flatten) if stacked else layout.flatten
     out = NamedSharding(mesh, shard_spec(stacked))
     return jax.jit(flatten, out_shardings=out)(tree), layout

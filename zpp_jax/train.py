@@ -152,7 +152,9 @@ class Trainer:
         nodes, local = mesh_shape(mesh)
         self.num_devices = nodes * local
         self.layouts = {
-            name: FlatLayout.from_tree(p, self.num_devices, stacked=name == "blocks")
+            name: FlatLayout.from_tree(
+                p, self.num_devices, stacked=name == "blocks", align=config.alignment
+            )
             for name, p in parts.params.items()
         }
         self.layers = {
@@ -170,7 +172,9 @@ class Trainer:
         on the shards."""
         params = self.parts.params if params is None else params
         shards = {
-            name: shard_params(params[name], self.mesh, stacked=name == "blocks")[0]
+            name: shard_params(
+                params[name], self.mesh, stacked=name == "blocks", align=self.config.alignment
+            )[0]
             for name in GROUPS
         }
         state = jax.jit(self._state_from_shards)(shards)
