@@ -3,9 +3,9 @@ unsharded as the reference."""
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from zpp_jax import AXES, ShardedLayer, scan_layers, shard_spec
+from zpp_jax import ShardedLayer
+from zpp_jax.layer import stack_value_and_grad
 from zpp_jax.models.blocks import block
 
 
@@ -22,23 +22,7 @@ def reference_loss_and_grads(stack, x):
 
 
 def sharded_loss_and_grads(mesh, config, layout, compute_dtype=None):
-    """jit(shard_map(...)): (mean loss, shard grads, new residuals) of a block stack."""
+    """jit: (shards, x, residuals) -> (mean loss, shard grads, new residuals) of a block stack."""
     layer = ShardedLayer(block, layout, config, compute_dtype)
-
-    def local(shards, x, residuals):
-        def loss(shards, residuals):
-            return loss_fn(scan_layers(layer, shards, x, residuals))
-
-        value, (g, r) = jax.value_and_grad(loss, argnums=(0, 1))(shards, residuals)
-        return jax.lax.pmean(value, AXES), g, r
-
-    spec = shard_spec(stacked=True)
-    res_spec = spec if config.error_feedback else None
-    f = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(spec, P(AXES), res_spec),
-        out_specs=(P(), spec, res_spec),
-        check_vma=False,
-    )
-    return jax.jit(f), layer
+    f = stack_value_and_grad(layer, mesh, lambda out, x: loss_fn(out))
+    return jax.jit(lambda shards, x, residuals: f(shards, residuals, x)), layer

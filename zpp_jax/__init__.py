@@ -5,7 +5,7 @@ from zpp_jax import collectives, quant
 from zpp_jax.checkpoint import Checkpointer
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.data import ByteDataset, load_text, stdlib_corpus
-from zpp_jax.layer import ShardedLayer, scan_layers
+from zpp_jax.layer import ShardedLayer, scan_layers, stack_value_and_grad
 from zpp_jax.mesh import AXES, LOCAL, NODE, make_mesh, mesh_shape
 from zpp_jax.models.gpt import GPT, GPTConfig, cross_entropy
 from zpp_jax.partition import FlatLayout, shard_params, shard_spec, unshard_params
@@ -37,6 +37,7 @@ __all__ = [
     "mesh_shape",
     "quant",
     "scan_layers",
+    "stack_value_and_grad",
     "shard_params",
     "shard_spec",
     "unshard_params",

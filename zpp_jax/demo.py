@@ -9,34 +9,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
-from zpp_jax.layer import ShardedLayer, scan_layers
+from zpp_jax.layer import ShardedLayer, stack_value_and_grad
 from zpp_jax.mesh import AXES, make_mesh, mesh_shape
 from zpp_jax.models.blocks import block, init_stack
-from zpp_jax.partition import shard_params, shard_spec
+from zpp_jax.partition import shard_params
 from zpp_jax.report import summarize
-
-
-def _grad_fn(mesh, config, layout):
-    layer = ShardedLayer(block, layout, config)
-
-    def local(shards, residuals, x, y):
-        def loss(shards, residuals):
-            out = scan_layers(layer, shards, x, residuals)
-            return jnp.mean(jnp.square(out - y))
-
-        value, (g, r) = jax.value_and_grad(loss, argnums=(0, 1))(shards, residuals)
-        return jax.lax.pmean(value, AXES), g, r
-
-    spec = shard_spec(stacked=True)
-    res_spec = spec if config.error_feedback else None
-    f = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(spec, res_spec, P(AXES), P(AXES)),
-        out_specs=(P(), spec, res_spec),
-        check_vma=False,
-    )
-    return f, layer
 
 
 def run_demo(
@@ -66,7 +43,8 @@ def run_demo(
     opt = optax.adam(lr)
 
     def make_step(cfg):
-        grads, layer = _grad_fn(mesh, cfg, layout)
+        layer = ShardedLayer(block, layout, cfg)
+        grads = stack_value_and_grad(layer, mesh, lambda out, x, y: jnp.mean(jnp.square(out - y)))
 
         @jax.jit
         def step(shards, opt_state, residuals):

@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zpp_jax import collectives
 from zpp_jax.config import ZeroPPConfig
-from zpp_jax.mesh import LOCAL, mesh_shape
+from zpp_jax.mesh import AXES, LOCAL, mesh_shape
 from zpp_jax.partition import FlatLayout, shard_spec
 
 PyTree = Any
@@ -187,3 +188,38 @@ def scan_layers(
 
     h, _ = lax.scan(body, x, (shards, residuals))
     return h
+
+
+def stack_value_and_grad(
+    layer: ShardedLayer, mesh: Mesh, loss_fn: Callable[..., jax.Array]
+) -> Callable:
+    """``f(shards, residuals, x, *rest) -> (loss, shard grads, new residuals)``
+    for a stack of `layer` under `lax.scan`, wrapped in `jax.shard_map`.
+
+    `x` and `rest` are split over all devices along axis 0;
+    ``loss_fn(stack_output, x, *rest)`` is a device's local loss, and `loss`
+    its mean over devices. `shards` (and `residuals`, with error feedback, else
+    None) are laid out as `shard_spec(stacked=True)`.
+    """
+
+    def local(shards, residuals, x, *rest):
+        def loss(shards, residuals):
+            return loss_fn(scan_layers(layer, shards, x, residuals), x, *rest)
+
+        value, (g, r) = jax.value_and_grad(loss, argnums=(0, 1))(shards, residuals)
+        return lax.pmean(value, AXES), g, r
+
+    spec = shard_spec(stacked=True)
+    res_spec = spec if layer.config.error_feedback else None
+
+    def f(shards, residuals, x, *rest):
+        batch_specs = (P(AXES),) * (1 + len(rest))
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(spec, res_spec, *batch_specs),
+            out_specs=(P(), spec, res_spec),
+            check_vma=False,
+        )(shards, residuals, x, *rest)
+
+    return f
