@@ -129,10 +129,12 @@ class Trainer:
     """Compiled ZeRO++ training and evaluation steps for one model, optimizer,
     mesh and configuration.
 
-    Memory per device: 4 bytes per parameter / N for the fp32 shards, the
-    optimizer's state on the same shards, with hpZ one secondary shard per
-    block saved for the backward pass, with error feedback (1 + 1/local)/N x
-    the residual dtype per parameter... per group, see `ShardedLayer`.
+    Memory per device: 4 bytes per parameter / N for the fp32 shards, and the
+    optimizer's state on the same shards; with hpZ, per block, a secondary
+    shard (1/local of the gathered weight, in the wire format) kept from the
+    forward to the backward pass; with error feedback, a residual of
+    (1 + 1/local) x the parameter count in `config.residual_dtype` (the
+    rounding error of this device's whole local gradient).
     """
 
     def __init__(
