@@ -46,3 +46,14 @@ def test_technique_flags():
 def test_module_entry_point():
     r = subprocess.run([sys.executable, "-m", "zpp_jax", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "demo" in r.stdout
+
+
+def test_train_bad_flags_give_a_clear_error(capsys):
+    assert main(["train", "--batch", "12", "--steps", "1", "--quiet"]) == 2
+    assert "global batch 12 must be a multiple of devices x grad_accum = 8 x 1" in (
+        capsys.readouterr().err
+    )
+    assert main(["train", "--model", "huge", "--steps", "1", "--quiet"]) == 2
+    assert "unknown model size 'huge'" in capsys.readouterr().err
+    assert main(["train", "--resume", "--steps", "1", "--quiet"]) == 2
+    assert "need --ckpt-dir" in capsys.readouterr().err

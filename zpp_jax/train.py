@@ -269,7 +269,11 @@ class Trainer:
         return params, (None if residuals is None else params)
 
     def _check_batch(self, batch):
-        b = jax.tree.leaves(batch)[0].shape[0]
+        self.check_batch_size(jax.tree.leaves(batch)[0].shape[0])
+
+    def check_batch_size(self, b: int) -> None:
+        """Raise ValueError unless a global batch of `b` splits evenly over
+        the devices and the micro-batches."""
         if b % (self.num_devices * self.grad_accum):
             raise ValueError(
                 f"global batch {b} must be a multiple of devices x grad_accum = "

@@ -104,6 +104,7 @@ def run(cfg: RunConfig) -> list[dict]:
     tokens = load_text(cfg.data) if cfg.data else stdlib_corpus()
     data = ByteDataset(tokens, model_cfg.seq_len)
     trainer = make_trainer(cfg)
+    trainer.check_batch_size(cfg.batch)
     ckpt = Checkpointer(cfg.ckpt_dir) if cfg.ckpt_dir else None
     position = 0
     if cfg.resume and ckpt.latest_step() is not None:
