@@ -113,6 +113,53 @@ def _train(args) -> int:
     return 0
 
 
+def _comm(args) -> int:
+    _use_emulated_devices(args.nodes * args.local)
+    import json
+
+    from flax import nnx
+
+    from zpp_jax.comm import DEFAULT_CONFIGS, compare
+    from zpp_jax.mesh import make_mesh
+    from zpp_jax.models.gpt import GPT, GPTConfig
+    from zpp_jax.train import nnx_parts
+
+    model = GPTConfig.preset(args.model)
+    if args.seq:
+        model = GPTConfig.preset(args.model, seq_len=args.seq)
+    unknown = set(args.configs) - set(DEFAULT_CONFIGS)
+    if unknown:
+        raise ValueError(f"unknown configs {sorted(unknown)}; choose from {list(DEFAULT_CONFIGS)}")
+    configs = {name: DEFAULT_CONFIGS[name] for name in args.configs}
+    reports = compare(
+        lambda: nnx_parts(GPT(model, nnx.Rngs(0))),
+        make_mesh(args.nodes, args.local),
+        args.batch,
+        model.seq_len,
+        configs,
+    )
+    if args.json:
+        print(json.dumps({"configs": reports}))
+        return 0
+    base = reports[0]["cross_node_bytes"]
+    print(
+        f"GPT {args.model} ({model.num_params():,} parameters), mesh {args.nodes} x "
+        f"{args.local}, batch {args.batch} x {model.seq_len}; per device per step:"
+    )
+    print(
+        f"{'config':8s}{'cross-node B':>16s}{'vs ' + reports[0]['name']:>10s}"
+        f"{'intra-node B':>16s}{'peak memory B':>16s}{'state (formula) B':>19s}"
+    )
+    for r in reports:
+        ratio = base / r["cross_node_bytes"] if r["cross_node_bytes"] else float("inf")
+        print(
+            f"{r['name']:8s}{r['cross_node_bytes']:16,.0f}{ratio:9.2f}x"
+            f"{r['intra_node_bytes']:16,.0f}{r['peak_memory_bytes']:16,}"
+            f"{r['analytic_state_bytes']:19,}"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zpp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -153,6 +200,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     _add_technique_flags(train)
     train.set_defaults(func=_train)
+
+    comm = sub.add_parser(
+        "comm",
+        help="compile the GPT training step per configuration and report, from the HLO, "
+        "every collective, the bytes per step across and inside nodes, and peak memory",
+    )
+    comm.add_argument("--model", default="tiny", help="tiny, small or 125m")
+    comm.add_argument("--seq", type=int, default=None)
+    comm.add_argument("--nodes", type=int, default=2)
+    comm.add_argument("--local", type=int, default=4)
+    comm.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    comm.add_argument("--configs", nargs="+", default=["zero3", "qwz", "hpz", "qgz", "zeropp"])
+    comm.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    comm.set_defaults(func=_comm)
 
     demo = sub.add_parser(
         "demo",
