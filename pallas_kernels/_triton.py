@@ -71,14 +71,6 @@ def _round_half_even(y):
     return jnp.where(y < 0, -(r + up), r + up)
 
 
-def _round_up_16(scale):
-    u = jax.lax.bitcast_convert_type(scale, jnp.uint32)
-    rounded = jax.lax.bitcast_convert_type(
-        (u + jnp.uint32(0xFF)) & jnp.uint32(0xFFFFFF00), jnp.float32
-    )
-    return jnp.where(scale < jnp.inf, rounded, scale)
-
-
 def _quantize_parts(parts, bits):
     """fp32 parts of a tile of blocks (each (R, w)) -> float codes per part, scales (R,)."""
     qmax = float(quant.qmax(bits))
@@ -90,7 +82,7 @@ def _quantize_parts(parts, bits):
         absmax = m if absmax is None else jnp.maximum(absmax, m)
         has_nan = n if has_nan is None else jnp.maximum(has_nan, n)
     # NaN propagation of a max reduction differs between backends: say it explicitly.
-    scales = jnp.where(has_nan > 0, jnp.nan, _round_up_16(absmax / qmax))
+    scales = jnp.where(has_nan > 0, jnp.nan, quant.round_up_16(absmax / qmax))
     finite = scales < jnp.inf
     safe = jnp.where((scales == 0) | ~finite, 1.0, scales)
     codes = [
