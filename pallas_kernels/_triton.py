@@ -75,14 +75,12 @@ def _quantize_parts(parts, bits):
     """fp32 parts of a tile of blocks (each (R, w)) -> float codes per part, scales (R,)."""
     qmax = float(quant.qmax(bits))
     absmax = None
-    has_nan = None
     for p in parts:
-        m = jnp.max(jnp.abs(p), axis=1)
-        n = jnp.max(jnp.where(p != p, 1.0, 0.0), axis=1)
+        # NaN counts as +Inf: max reductions need not propagate NaN, +Inf they keep.
+        a = jnp.abs(p)
+        m = jnp.max(jnp.where(a < jnp.inf, a, jnp.inf), axis=1)
         absmax = m if absmax is None else jnp.maximum(absmax, m)
-        has_nan = n if has_nan is None else jnp.maximum(has_nan, n)
-    # NaN propagation of a max reduction differs between backends: say it explicitly.
-    scales = jnp.where(has_nan > 0, jnp.nan, quant.round_up_16(absmax / qmax))
+    scales = quant.round_up_16(absmax / qmax)
     finite = scales < jnp.inf
     safe = jnp.where((scales == 0) | ~finite, 1.0, scales)
     codes = [

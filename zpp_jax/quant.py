@@ -18,7 +18,7 @@ The numerics, defined exactly so that every kernel backend (see
 * ``code = clip(round_half_to_even(x / scale), -qmax, qmax)`` with an IEEE fp32
   division. An all-zero block has ``scale = 0`` and codes 0, and dequantizes to
   exact zeros (never NaN).
-* A block holding NaN or +-Inf gets a non-finite scale and codes 0, so every
+* A block holding NaN or +-Inf gets scale +Inf and codes 0, so every
   element of it dequantizes to NaN: a non-finite gradient can never turn into a
   silently wrong finite value.
 * int4 codes are packed two per byte (uint8) within each block of b elements:
@@ -110,19 +110,24 @@ def quantize(x: jax.Array, bits: int, block_size: int) -> QuantizedBlocks:
     if pad:
         xf = jnp.pad(xf, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
     xf = xf.reshape(*x.shape[:-1], nb, block)
-    absmax = jnp.max(jnp.abs(xf), axis=-1)
-    # A max reduction need not propagate NaN (XLA:CPU's vectorized one does
-    # not always): say it explicitly.
-    has_nan = jnp.any(jnp.isnan(xf), axis=-1)
+    absmax = jnp.max(_magnitude(xf), axis=-1)
     scales = round_up_16(absmax / jnp.float32(qmax(bits)))
-    scales = jnp.where(has_nan, jnp.float32(jnp.nan), scales)
-    finite = jnp.isfinite(scales)
+    finite = scales < jnp.inf
     safe = jnp.where((scales == 0) | ~finite, jnp.float32(1), scales)
     q = jnp.clip(jnp.round(xf / safe[..., None]), -qmax(bits), qmax(bits))
     codes = jnp.where(finite[..., None], q, 0).astype(jnp.int8)
     if bits == 4:
         codes = pack_int4(codes)
     return QuantizedBlocks(codes, scales)
+
+
+def _magnitude(x: jax.Array) -> jax.Array:
+    # |x|, with NaN counted as +Inf. A max reduction need not propagate NaN
+    # (XLA:CPU's vectorized one does not), but it always keeps +Inf, so one
+    # reduction finds both the absmax and any non-finite element (a separate
+    # any(isnan) pass cost 4x the max on CPU).
+    a = jnp.abs(x)
+    return jnp.where(a < jnp.inf, a, jnp.float32(jnp.inf))
 
 
 def dequantize(
