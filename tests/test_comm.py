@@ -48,9 +48,11 @@ def test_zeropp_matches_the_analytic_count(mesh):
     trainer, r = _report(mesh, "zeropp")
     layers, s = trainer.num_layers, trainer.layouts["blocks"].shard_size
     w8, w4 = quant.wire_bytes(s, 8, 256), quant.wire_bytes(s, 4, 64)
-    cross = (n - 1) / n * n * w8  # qwZ forward gather over all devices
+    # hpZ gathers the int8 forward weight over `node` (the secondary shard),
+    # then over `local`; the backward gathers over `local` only.
+    cross = (nodes - 1) / nodes * nodes * w8  # forward gather across nodes
     cross += (nodes - 1) / nodes * nodes * w4  # qgZ all-to-all across nodes
-    intra = (local - 1) / local * n * w8  # hpZ backward gather inside the node
+    intra = 2 * (local - 1) / local * n * w8  # forward and backward gathers in the node
     intra += (local - 1) / local * n * w4  # qgZ all-to-all inside the node
     assert _in_loop(r, layers, True) == layers * cross
     assert _in_loop(r, layers, False) == layers * intra

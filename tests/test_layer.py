@@ -109,12 +109,13 @@ def test_hpz_backward_gathers_stay_inside_the_node(mesh24, quantize_weights):
     compiled, _ = _compiled_step_hlo(
         mesh24, ZeroPPConfig.zero3(hpz=True, quantize_weights=quantize_weights)
     )
-    intra = [
-        c
-        for c in collectives_in_hlo(compiled.as_text())
-        if c.kind == "all-gather" and not c.spans_nodes(local)
-    ]
-    assert len(intra) == 1 and intra[0].group_size == local
+    gathers = [c for c in collectives_in_hlo(compiled.as_text()) if c.kind == "all-gather"]
+    # hpZ gathers hierarchically: over `node` (2 devices: the secondary), then
+    # over `local` in the forward, and over `local` alone in the backward.
+    (cross_gather,) = [c for c in gathers if c.spans_nodes(local)]
+    assert cross_gather.group_size == 2
+    intra = [c for c in gathers if not c.spans_nodes(local)]
+    assert len(intra) == 2 and all(c.group_size == local for c in intra)
 
 
 def _secondary_bytes(layout, config, nodes, local):

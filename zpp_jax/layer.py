@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from zpp_jax import collectives
 from zpp_jax.config import ZeroPPConfig
-from zpp_jax.mesh import AXES, LOCAL, mesh_shape
+from zpp_jax.mesh import AXES, LOCAL, NODE, mesh_shape
 from zpp_jax.partition import FlatLayout, shard_spec
 
 PyTree = Any
@@ -100,26 +100,51 @@ class ShardedLayer:
     # -- the pieces the custom_vjp is built from -------------------------------
 
     def _gather_forward(self, shard):
-        """Full flat weight (N*s,) and the hpZ secondary shard (or None)."""
-        cfg, s = self.config, self.layout.shard_size
-        if cfg.quantize_weights:
-            rows = collectives.quantized_gather(shard, cfg.weight_bits, cfg.block_size)
-            full = collectives.dequantize_wire(rows, cfg.weight_bits, s).reshape(-1)
-        else:
-            rows = collectives.gather_rows(shard, cfg.comm_dtype)
-            full = rows.reshape(-1).astype(jnp.float32)
-        return full, (_local_rows(rows) if cfg.hpz else None)
+        """Full flat weight (N*s,) and the hpZ secondary shard (or None).
+
+        With hpZ the gather is hierarchical: first over `node` (each device
+        then holds the shards of its local index on every node: the
+        secondary, nodes*s elements on the wire), then over `local`. Across
+        nodes a device sends s elements instead of the (N-1)/N of the full
+        vector a flat ring carries over each node boundary.
+        """
+        cfg = self.config
+        if not cfg.hpz:
+            if cfg.quantize_weights:
+                rows = collectives.quantized_gather(shard, cfg.weight_bits, cfg.block_size)
+            else:
+                rows = collectives.gather_rows(shard, cfg.comm_dtype)
+            return self._decode(rows), None
+        wire = self._to_wire(shard)
+        secondary = collectives.gather_over(wire, NODE)
+        return self._assemble(secondary), secondary
 
     def _gather_backward(self, saved):
-        cfg, s = self.config, self.layout.shard_size
-        if not cfg.hpz:
+        if not self.config.hpz:
             return self._gather_forward(saved)[0]
-        if collectives.axis_sizes()[1] > 1:  # the secondary rows of every local peer
-            saved = collectives.gather_rows(saved, axes=LOCAL)
+        return self._assemble(saved)
+
+    def _to_wire(self, shard):
+        cfg = self.config
         if cfg.quantize_weights:
-            rows = saved.reshape(-1, *saved.shape[-2:])
+            return collectives.quantize_to_wire(shard, cfg.weight_bits, cfg.block_size)
+        dtype = shard.dtype if cfg.comm_dtype is None else jnp.dtype(cfg.comm_dtype)
+        return collectives.to_bits(shard.astype(dtype))
+
+    def _assemble(self, secondary):
+        """(nodes, ...) secondary rows -> gathered over `local` -> the full weight."""
+        rows = collectives.gather_over(secondary, LOCAL)  # (local, nodes, ...)
+        rows = rows.swapaxes(0, 1).reshape(-1, *rows.shape[2:])  # device order
+        if self.config.quantize_weights:
+            return self._decode(rows)
+        dtype = jnp.float32 if self.config.comm_dtype is None else self.config.comm_dtype
+        return self._decode(collectives.from_bits(rows, dtype))
+
+    def _decode(self, rows):
+        cfg, s = self.config, self.layout.shard_size
+        if cfg.quantize_weights:
             return collectives.dequantize_wire(rows, cfg.weight_bits, s).reshape(-1)
-        return saved.reshape(-1).astype(jnp.float32)
+        return rows.reshape(-1).astype(jnp.float32)
 
     def _reduce(self, flat_grad, residual):
         cfg = self.config
@@ -132,13 +157,6 @@ class ShardedLayer:
     def _run(self, full, x):
         params = self.layout.unflatten(full, self.compute_dtype)
         return self.fn(params, x)
-
-
-def _local_rows(rows):
-    """This device's hpZ secondary: rows [l*nodes, (l+1)*nodes) of the gathered
-    (N, ...) shards; gathering them over `local` restores all N rows in order."""
-    nodes, _ = collectives.axis_sizes()
-    return lax.dynamic_slice_in_dim(rows, collectives.axis_index(LOCAL) * nodes, nodes, axis=0)
 
 
 def _build(layer: ShardedLayer):
