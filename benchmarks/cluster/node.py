@@ -1,0 +1,198 @@
+"""One node of the two-node benchmark (started by `run.py`, one per namespace).
+
+Times the GPT training step of each method on the (node, local) mesh with
+node = process and prints, on process 0, one JSON line per method:
+{"method", "median_s", "times_s", "link_tx_bytes", "link_rx_bytes", ...}. The
+link bytes are read from this namespace's veth counters around the timed
+steps, so they are what really crossed the shaped link, per step.
+
+Methods:
+- `zero3`: this library with every technique off (bf16 gathers and bf16
+  gradient reduction);
+- `zeropp`: qwZ (int8 weights) + hpZ + qgZ (int4 gradients);
+- `jit`: what a JAX user would otherwise write: the unsharded NNX model's
+  loss under `jax.jit`, parameters and optimizer state laid out with
+  `NamedSharding` (FSDP-style: each tensor's largest divisible axis over all
+  devices) and XLA's SPMD partitioner inserting the collectives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", nargs="+", default=["zero3", "zeropp", "jit"])
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--d-ff", type=int, default=2048)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--dtype", default="float32", help="compute dtype of the model")
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per method")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--link", default=None, help="network interface to count bytes on")
+    p.add_argument("--tag", default="", help="copied into every output record")
+    return p.parse_args(argv)
+
+
+def _link_bytes(link):
+    if not link:
+        return 0, 0
+    base = pathlib.Path("/sys/class/net") / link / "statistics"
+    return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
+
+
+def _zpp_step(method, model_cfg, mesh, seed):
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from zpp_jax import Trainer, ZeroPPConfig, nnx_parts
+    from zpp_jax.models.gpt import GPT
+
+    if method == "zero3":
+        config = ZeroPPConfig.zero3().replace(comm_dtype="bfloat16")
+    else:
+        config = ZeroPPConfig(comm_dtype="bfloat16")
+    model = GPT(model_cfg, nnx.Rngs(seed))
+    trainer = Trainer(
+        nnx_parts(model), optax.adamw(1e-3), mesh, config, compute_dtype=jnp.dtype(model_cfg.dtype)
+    )
+    return trainer.step, trainer.init(), trainer.batch_sharding()
+
+
+def _jit_step(model_cfg, mesh, seed):
+    """The plain-jit baseline: no library code in the step."""
+    import jax
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from zpp_jax.models.gpt import GPT, cross_entropy
+
+    n = mesh.size
+    model = GPT(model_cfg, nnx.Rngs(seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = optax.adamw(1e-3)
+
+    def spec(x):
+        shape = getattr(x, "shape", ())
+        dims = sorted(range(len(shape)), key=lambda i: -shape[i])
+        for i in dims:
+            if shape[i] % n == 0:
+                return NamedSharding(
+                    mesh, P(*[("node", "local") if j == i else None for j in range(len(shape))])
+                )
+        return NamedSharding(mesh, P())
+
+    param_sh = jax.tree.map(spec, params)
+    params = jax.device_put(params, param_sh)
+    opt_state = jax.jit(tx.init)(params)
+    opt_sh = jax.tree.map(spec, opt_state)
+    opt_state = jax.device_put(opt_state, opt_sh)
+    batch_sh = NamedSharding(mesh, P(("node", "local")))
+
+    def loss_fn(params, batch):
+        return cross_entropy(nnx.merge(graphdef, params)(batch["inputs"]), batch["targets"])
+
+    def step(state, batch):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
+
+    step = jax.jit(
+        step,
+        in_shardings=((param_sh, opt_sh), batch_sh),
+        out_shardings=((param_sh, opt_sh), NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
+    return step, (params, opt_state), batch_sh
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
+    from zpp_jax.distributed import initialize, node_mesh
+
+    initialize()
+    import jax
+
+    from zpp_jax.data import ByteDataset, stdlib_corpus
+    from zpp_jax.models.gpt import GPTConfig
+
+    mesh = node_mesh()
+    model_cfg = GPTConfig(
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        d_ff=args.d_ff,
+        seq_len=args.seq,
+        dtype=args.dtype,
+    )
+    data = ByteDataset(stdlib_corpus(4 << 20), args.seq)
+    lead = jax.process_index() == 0
+
+    for method in args.methods:
+        if method == "jit":
+            step, state, sharding = _jit_step(model_cfg, mesh, 0)
+        else:
+            step, state, sharding = _zpp_step(method, model_cfg, mesh, 0)
+
+        def batch(i, sharding=sharding):
+            host = data.batch("train", i, args.batch, 0)
+            return {
+                k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+                for k, v in host.items()
+            }
+
+        start = time.perf_counter()
+        compiled = step.lower(state, batch(0)).compile()
+        compile_s = time.perf_counter() - start
+        for i in range(args.warmup):
+            state, metrics = compiled(state, batch(i))
+            jax.block_until_ready(metrics)
+        times, losses = [], []
+        tx0, rx0 = _link_bytes(args.link)
+        for i in range(args.steps):
+            b = batch(args.warmup + i)
+            jax.block_until_ready(b)
+            start = time.perf_counter()
+            state, metrics = compiled(state, b)
+            loss = float(metrics["loss"])
+            times.append(time.perf_counter() - start)
+            losses.append(loss)
+        tx1, rx1 = _link_bytes(args.link)
+        record = dict(
+            method=method,
+            tag=args.tag,
+            median_s=statistics.median(times),
+            times_s=times,
+            losses=losses,
+            compile_s=compile_s,
+            link_tx_bytes=(tx1 - tx0) / args.steps,
+            link_rx_bytes=(rx1 - rx0) / args.steps,
+            params=model_cfg.num_params(),
+            tokens_per_device=args.batch * args.seq // mesh.size,
+            model=dataclasses.asdict(model_cfg),
+        )
+        if lead:
+            print("RESULT " + json.dumps(record), flush=True)
+        del state, compiled
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    np.set_printoptions(linewidth=120)
+    main()

@@ -1,0 +1,224 @@
+"""Two nodes on one machine, joined by a link of a chosen bandwidth.
+
+    sudo python benchmarks/cluster/run.py                       # 1 Gbit/s
+    sudo python benchmarks/cluster/run.py --rates 10gbit 1gbit 200mbit
+
+Builds two network namespaces (`zppbench0`, `zppbench1`) joined by a veth pair
+whose both ends are shaped with `tc ... tbf` to the rate, maps this machine's
+hostname to each namespace's own address in `/etc/netns/<ns>/hosts` (gloo
+binds to the hostname's address), and runs `node.py` in each namespace: two
+`jax.distributed` processes with 4 CPU devices each, a 2 x 4 (node, local)
+mesh. For every rate it prints the median step time of ZeRO-3, ZeRO++ and
+plain `jax.jit`, the bytes that crossed the link per step, and the ratios.
+Everything it created is removed on exit, also on failure or Ctrl-C. Needs root
+(network namespaces and tc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+NAMESPACES = ("zppbench0", "zppbench1")
+LINKS = ("zppveth0", "zppveth1")
+ADDRESSES = ("10.213.7.1", "10.213.7.2")
+PORT = 47611
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def _in_ns(ns: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _sh("ip", "netns", "exec", ns, *cmd, check=check)
+
+
+def _rate_bits(rate: str) -> float:
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1}
+    for suffix, scale in units.items():
+        if rate.lower().endswith(suffix):
+            return float(rate[: -len(suffix)]) * scale
+    raise ValueError(f"rate {rate!r}: write it like 10gbit, 1gbit or 200mbit")
+
+
+def cleanup() -> None:
+    """Remove every namespace, link and hosts file this script creates (idempotent)."""
+    for ns in NAMESPACES:
+        pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        _sh("ip", "netns", "del", ns, check=False)
+        shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+    _sh("ip", "link", "del", LINKS[0], check=False)
+
+
+def setup() -> None:
+    cleanup()
+    host = socket.gethostname()
+    for ns in NAMESPACES:
+        _sh("ip", "netns", "add", ns)
+    _sh("ip", "link", "add", LINKS[0], "type", "veth", "peer", "name", LINKS[1])
+    for ns, link, addr in zip(NAMESPACES, LINKS, ADDRESSES, strict=True):
+        _sh("ip", "link", "set", link, "netns", ns)
+        _in_ns(ns, "ip", "addr", "add", f"{addr}/30", "dev", link)
+        _in_ns(ns, "ip", "link", "set", link, "up")
+        _in_ns(ns, "ip", "link", "set", "lo", "up")
+        hosts = pathlib.Path(f"/etc/netns/{ns}/hosts")
+        hosts.parent.mkdir(parents=True, exist_ok=True)
+        hosts.write_text(f"127.0.0.1 localhost\n{addr} {host}\n")
+
+
+def shape(rate: str) -> None:
+    """tbf on both veth ends: `rate` each way, a burst of 10 ms worth of bytes."""
+    burst = max(int(_rate_bits(rate) / 8 / 100), 64 * 1024)
+    for ns, link in zip(NAMESPACES, LINKS, strict=True):
+        _in_ns(
+            ns,
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            link,
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            str(burst),
+            "latency",
+            "100ms",
+        )
+
+
+def run_nodes(node_args: list[str], timeout: float) -> list[dict]:
+    """Run node.py in both namespaces; the records printed by process 0."""
+    procs = []
+    env_base = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    try:
+        for i, (ns, link) in enumerate(zip(NAMESPACES, LINKS, strict=True)):
+            env = dict(
+                env_base,
+                ZPP_COORDINATOR_ADDRESS=f"{ADDRESSES[0]}:{PORT}",
+                ZPP_NUM_PROCESSES="2",
+                ZPP_PROCESS_ID=str(i),
+                ZPP_LOCAL_CPU_DEVICES="4",
+                TF_CPP_MIN_LOG_LEVEL="2",
+            )
+            cmd = [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                sys.executable,
+                str(HERE / "node.py"),
+                "--link",
+                link,
+                *node_args,
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
+            )
+        deadline = time.monotonic() + timeout
+        outs = []
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"the nodes did not finish within {timeout:.0f} s") from None
+            if p.returncode != 0:
+                raise RuntimeError(f"a node exited with {p.returncode}:\n{err[-3000:]}")
+            outs.append(out)
+        return [json.loads(line[7:]) for line in outs[0].splitlines() if line.startswith("RESULT ")]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    lines = [
+        "| link | method | median step | link bytes/step (each way) | ZeRO++ speedup |",
+        "|---|---|---|---|---|",
+    ]
+    for rate, recs in results.items():
+        by = {r["method"]: r for r in recs}
+        zpp = by.get("zeropp")
+        for r in recs:
+            speed = f"{r['median_s'] / zpp['median_s']:.2f}x" if zpp else ""
+            if r["method"] == "zeropp":
+                speed = "1.00x"
+            lines.append(
+                f"| {rate} | {r['method']} | {r['median_s']:.3f} s | "
+                f"{(r['link_tx_bytes'] + r['link_rx_bytes']) / 2 / 1e6:.1f} MB | {speed} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="Two-node ZeRO++ benchmark over a shaped link.")
+    p.add_argument(
+        "--rates",
+        nargs="+",
+        default=["1gbit"],
+        help="link rates to run in turn (tc syntax: 10gbit, 1gbit, 200mbit)",
+    )
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per rate")
+    p.add_argument("--json", default=None, help="also write all records to this file")
+    args, node_args = p.parse_known_args(argv)
+    for rate in args.rates:
+        _rate_bits(rate)
+    if os.geteuid() != 0:
+        sys.exit(
+            "benchmarks/cluster/run.py needs root (it creates network namespaces and "
+            "shapes them with tc): run it with sudo"
+        )
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            sys.exit(f"`{tool}` not found: install iproute2")
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    results = {}
+    try:
+        setup()
+        for rate in args.rates:
+            shape(rate)
+            print(f"== {rate}", flush=True)
+            recs = run_nodes([*node_args, "--tag", rate], args.timeout)
+            for r in recs:
+                print(
+                    f"  {r['method']:7s} median {r['median_s']:.3f} s  "
+                    f"times {[round(t, 3) for t in r['times_s']]}  link "
+                    f"{r['link_tx_bytes'] / 1e6:.1f}/{r['link_rx_bytes'] / 1e6:.1f} MB tx/rx "
+                    f"compile {r['compile_s']:.0f} s",
+                    flush=True,
+                )
+            results[rate] = recs
+    except KeyboardInterrupt:
+        print("interrupted; cleaning up", file=sys.stderr)
+    finally:
+        cleanup()
+    if results:
+        print(table(results))
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Start JAX on several hosts: one process per node, its devices the `local` axis.
+
+`initialize()` wraps `jax.distributed.initialize` so that the same script runs
+under a real cluster launcher (SLURM and the other environments JAX detects),
+under `zpp launch` (which sets the `ZPP_*` variables below for N local
+processes), or with explicit arguments; `node_mesh()` then builds the
+node x local mesh with node = process.
+
+Environment variables read when an argument is not given:
+
+- `ZPP_COORDINATOR_ADDRESS` (or JAX's `JAX_COORDINATOR_ADDRESS`): host:port of
+  process 0's coordination service;
+- `ZPP_NUM_PROCESSES`, `ZPP_PROCESS_ID`: the process count and this process's id;
+- `ZPP_LOCAL_CPU_DEVICES`: emulate that many CPU devices in this process
+  (development and tests; real GPU hosts leave it unset);
+- `ZPP_HEARTBEAT_TIMEOUT`, `ZPP_INIT_TIMEOUT`: the timeouts below, in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+from jax.sharding import Mesh
+
+from zpp_jax.mesh import make_mesh
+
+ENV_COORDINATOR = "ZPP_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "ZPP_NUM_PROCESSES"
+ENV_PROCESS_ID = "ZPP_PROCESS_ID"
+ENV_LOCAL_CPU_DEVICES = "ZPP_LOCAL_CPU_DEVICES"
+ENV_HEARTBEAT_TIMEOUT = "ZPP_HEARTBEAT_TIMEOUT"
+ENV_INIT_TIMEOUT = "ZPP_INIT_TIMEOUT"
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Where this process sits in the job.
+
+    `coordinator_address=None` with `num_processes=None` lets JAX detect the
+    cluster (SLURM, Open MPI, Kubernetes, Cloud TPU). Timeouts are seconds:
+    `initialization_timeout` bounds the wait for all processes to join,
+    `heartbeat_timeout` is how long a silent process (killed, hung, cut off)
+    is tolerated before the others are told it is gone, `shutdown_timeout`
+    bounds the barrier at exit.
+    """
+
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_cpu_devices: int | None = None
+    initialization_timeout: int = 300
+    heartbeat_timeout: int = 100
+    shutdown_timeout: int = 300
+    cluster_detection_method: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("initialization_timeout", "heartbeat_timeout", "shutdown_timeout"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        n, i = self.num_processes, self.process_id
+        if n is not None and (not isinstance(n, int) or n <= 0):
+            raise ValueError(f"num_processes must be a positive int, got {n!r}")
+        if i is not None and (not isinstance(i, int) or i < 0 or (n is not None and i >= n)):
+            raise ValueError(f"process_id must be an int in [0, num_processes), got {i!r}")
+        if (n is None) != (i is None):
+            raise ValueError("give num_processes and process_id together (or neither)")
+        if n is not None and n > 1 and not self.coordinator_address:
+            raise ValueError(
+                f"{n} processes need a coordinator_address (host:port of process 0), "
+                f"e.g. via ${ENV_COORDINATOR}"
+            )
+        d = self.local_cpu_devices
+        if d is not None and (not isinstance(d, int) or d <= 0):
+            raise ValueError(f"local_cpu_devices must be a positive int, got {d!r}")
+
+    @classmethod
+    def from_env(cls, **overrides) -> DistributedConfig:
+        """Fields from the `ZPP_*` variables (and `JAX_COORDINATOR_ADDRESS`);
+        `overrides` that are not None win."""
+        env = os.environ
+
+        def as_int(name):
+            value = env.get(name)
+            if value is None or value == "":
+                return None
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"${name} must be an integer, got {value!r}") from None
+
+        fields = dict(
+            coordinator_address=env.get(ENV_COORDINATOR) or env.get("JAX_COORDINATOR_ADDRESS"),
+            num_processes=as_int(ENV_NUM_PROCESSES),
+            process_id=as_int(ENV_PROCESS_ID),
+            local_cpu_devices=as_int(ENV_LOCAL_CPU_DEVICES),
+            heartbeat_timeout=as_int(ENV_HEARTBEAT_TIMEOUT),
+            initialization_timeout=as_int(ENV_INIT_TIMEOUT),
+        )
+        fields = {k: v for k, v in fields.items() if v is not None}
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields)
+
+    @property
+    def is_multi_process(self) -> bool:
+        return (self.num_processes or 1) > 1 or (
+            self.num_processes is None and self.cluster_detection_method is not None
+        )
+
+
+def initialize(config: DistributedConfig | None = None) -> DistributedConfig:
+    """Join the job described by `config` (default: `DistributedConfig.from_env()`).
+
+    Must run before anything touches a JAX device. A single-process config
+    only applies `local_cpu_devices`. With several processes the CPU
+    collectives go over gloo (TCP); a process that dies is reported to the
+    others after `heartbeat_timeout` seconds, and their next collective fails
+    instead of waiting forever. Returns the config used.
+    """
+    config = DistributedConfig.from_env() if config is None else config
+    if config.local_cpu_devices is not None:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", config.local_cpu_devices)
+    if not config.is_multi_process:
+        return config
+    if config.local_cpu_devices is not None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=config.coordinator_address,
+        num_processes=config.num_processes,
+        process_id=config.process_id,
+        cluster_detection_method=config.cluster_detection_method,
+        initialization_timeout=config.initialization_timeout,
+        heartbeat_timeout_seconds=config.heartbeat_timeout,
+        shutdown_timeout_seconds=config.shutdown_timeout,
+    )
+    return config
+
+
+def node_mesh() -> Mesh:
+    """The (node, local) mesh with one node per process and the process's own
+    devices on `local`; in one process, 1 x all devices."""
+    return make_mesh(jax.process_count(), jax.local_device_count())
