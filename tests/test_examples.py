@@ -23,3 +23,29 @@ def test_example_runs(script):
     assert r.returncode == 0, r.stderr[-2000:]
     losses = [float(line.split()[-1]) for line in r.stdout.splitlines() if "loss" in line]
     assert len(losses) == 10 and losses[-1] < losses[0]
+
+
+def test_multihost_example_under_zpp_launch():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZPP_")}
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zpp_jax",
+            "launch",
+            "--nodes",
+            "2",
+            "--",
+            "python",
+            str(ROOT / "examples" / "multihost.py"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = [line for line in r.stdout.splitlines() if line.startswith("step")]
+    assert len(steps) == 5 and all("2 processes" in line for line in steps)
+    losses = [float(line.split()[3]) for line in steps]
+    assert losses[-1] < losses[0]

@@ -1,10 +1,11 @@
 """zpp-jax: ZeRO++ (quantized, hierarchical fully-sharded data parallel) and
 TeraPipe (token-level pipeline parallelism) for JAX."""
 
-from zpp_jax import collectives, quant
+from zpp_jax import collectives, distributed, quant
 from zpp_jax.checkpoint import Checkpointer
 from zpp_jax.config import ZeroPPConfig
-from zpp_jax.data import ByteDataset, load_text, stdlib_corpus
+from zpp_jax.data import ByteDataset, host_to_global, load_text, stdlib_corpus
+from zpp_jax.distributed import DistributedConfig, node_mesh
 from zpp_jax.layer import ShardedLayer, scan_layers, stack_value_and_grad
 from zpp_jax.mesh import AXES, LOCAL, NODE, make_mesh, mesh_shape
 from zpp_jax.models.gpt import GPT, GPTConfig, cross_entropy
@@ -22,6 +23,10 @@ __all__ = [
     "TrainState",
     "Trainer",
     "cross_entropy",
+    "DistributedConfig",
+    "distributed",
+    "host_to_global",
+    "node_mesh",
     "linen_parts",
     "load_text",
     "nnx_parts",

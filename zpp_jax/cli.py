@@ -76,8 +76,33 @@ def _demo(args) -> int:
     )
 
 
+def _join_job(args) -> None:
+    """Join a multi-process job if the environment describes one (`zpp launch`
+    or a cluster launcher); then node = process and local = its devices.
+    Otherwise emulate nodes x local CPU devices in this process."""
+    from zpp_jax.distributed import DistributedConfig, initialize
+
+    dist = DistributedConfig.from_env()
+    if not dist.is_multi_process:
+        args.nodes = 2 if args.nodes is None else args.nodes
+        args.local = 4 if args.local is None else args.local
+        _use_emulated_devices(args.nodes * args.local)
+        return
+    initialize(dist)
+    import jax
+
+    nodes, local = jax.process_count(), jax.local_device_count()
+    for name, want, have in (("nodes", args.nodes, nodes), ("local", args.local, local)):
+        if want is not None and want != have:
+            raise ValueError(
+                f"--{name} {want} does not match the job: {nodes} processes x {local} "
+                f"devices each (node = process); drop --{name}"
+            )
+    args.nodes, args.local = nodes, local
+
+
 def _train(args) -> int:
-    _use_emulated_devices(args.nodes * args.local)
+    _join_job(args)
     from zpp_jax.train_gpt import RunConfig, run
 
     zero = _config_from_args(args).replace(comm_dtype=args.comm_dtype)
@@ -160,6 +185,21 @@ def _comm(args) -> int:
     return 0
 
 
+def _launch(args) -> int:
+    from zpp_jax.launch import launch
+
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    return launch(
+        argv,
+        nodes=args.nodes,
+        local=args.local,
+        port=args.port,
+        heartbeat_timeout=args.heartbeat_timeout,
+        grace=args.grace,
+        init_timeout=args.init_timeout,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zpp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -171,8 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--model", default="tiny", help="tiny, small or 125m")
     train.add_argument("--seq", type=int, default=None, help="sequence length (preset's)")
-    train.add_argument("--nodes", type=int, default=2)
-    train.add_argument("--local", type=int, default=4)
+    train.add_argument(
+        "--nodes", type=int, default=None, help="default 2, or the job's process count"
+    )
+    train.add_argument(
+        "--local", type=int, default=None, help="default 4, or each process's device count"
+    )
     train.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     train.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     train.add_argument("--steps", type=int, default=200)
@@ -215,6 +259,35 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--json", action="store_true", help="print JSON instead of a table")
     comm.set_defaults(func=_comm)
 
+    launch = sub.add_parser(
+        "launch",
+        help="run a zpp subcommand as N local processes, one node each (jax.distributed, "
+        "CPU devices, gloo), e.g. zpp launch --nodes 2 -- train --steps 10",
+    )
+    launch.add_argument("--nodes", type=int, default=2, help="processes (= nodes)")
+    launch.add_argument("--local", type=int, default=4, help="CPU devices per process")
+    launch.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
+    launch.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=10,
+        help="seconds of silence before a process counts as dead",
+    )
+    launch.add_argument(
+        "--init-timeout",
+        type=int,
+        default=30,
+        help="seconds to wait for every process to join",
+    )
+    launch.add_argument(
+        "--grace",
+        type=float,
+        default=60.0,
+        help="seconds the others get to fail on their own after one fails",
+    )
+    launch.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the zpp subcommand")
+    launch.set_defaults(func=_launch)
+
     demo = sub.add_parser(
         "demo",
         help="run sharded training steps of a transformer stack and print what moved",
@@ -242,8 +315,39 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"zpp {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if not _in_job():
+            raise
+        # In a multi-process job a failed collective almost always means that
+        # another process died: say so instead of leaving only an XLA trace.
+        print(
+            f"zpp {args.command}: error: {type(e).__name__}: {_first_line(e)}\n"
+            f"zpp {args.command}: another process of this job has probably died or lost its "
+            "connection; restart every process (with --resume to continue from the last "
+            "checkpoint)",
+            file=sys.stderr,
+        )
+        # Leave now: the orderly shutdown would wait on a barrier the dead
+        # process never reaches, then abort.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(3)
     print(f"zpp {args.command}: done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return code
+
+
+def _in_job() -> bool:
+    from zpp_jax.distributed import DistributedConfig
+
+    try:
+        return DistributedConfig.from_env().is_multi_process
+    except ValueError:
+        return False
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:500] if text else "(no message)"
 
 
 if __name__ == "__main__":

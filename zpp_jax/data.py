@@ -6,6 +6,7 @@ from __future__ import annotations
 import pathlib
 import sysconfig
 
+import jax
 import numpy as np
 
 VOCAB_SIZE = 256
@@ -68,3 +69,13 @@ class ByteDataset:
         starts = rng.integers(0, len(toks) - self.seq_len - 1, size=batch_size)
         windows = np.stack([toks[s : s + self.seq_len + 1] for s in starts]).astype(np.int32)
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+def host_to_global(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+    """Global arrays from host arrays that every process holds in full: each
+    process copies only the rows of its own devices (works in one process and
+    under `jax.distributed` alike)."""
+    return {
+        k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+        for k, v in batch.items()
+    }

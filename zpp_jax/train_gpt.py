@@ -19,7 +19,7 @@ import optax
 
 from zpp_jax.checkpoint import Checkpointer
 from zpp_jax.config import ZeroPPConfig
-from zpp_jax.data import ByteDataset, load_text, stdlib_corpus
+from zpp_jax.data import ByteDataset, host_to_global, load_text, stdlib_corpus
 from zpp_jax.mesh import make_mesh
 from zpp_jax.models.gpt import GPT, GPTConfig
 from zpp_jax.report import summarize
@@ -117,7 +117,7 @@ def run(cfg: RunConfig) -> list[dict]:
     sharding = trainer.batch_sharding()
 
     def batch(split, index):
-        return jax.device_put(data.batch(split, index, cfg.batch, cfg.seed), sharding)
+        return host_to_global(data.batch(split, index, cfg.batch, cfg.seed), sharding)
 
     step_fn = trainer.step.lower(state, batch("train", 0)).compile()
     moved = summarize(step_fn.as_text(), cfg.local)
@@ -138,7 +138,12 @@ def run(cfg: RunConfig) -> list[dict]:
         if path:
             pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     records = []
-    out = open(cfg.metrics, "a" if cfg.resume else "w") if cfg.metrics else None  # noqa: SIM115
+    lead = jax.process_index() == 0  # one process writes files and progress
+    out = (
+        open(cfg.metrics, "a" if cfg.resume else "w")  # noqa: SIM115
+        if cfg.metrics and lead
+        else None
+    )
     bar = _progress(cfg, position)
     tokens_per_step = cfg.batch * model_cfg.seq_len
     try:
@@ -185,7 +190,7 @@ def run(cfg: RunConfig) -> list[dict]:
             f"step {last['step']}: loss {last['loss']:.4f}, "
             f"val_loss {last.get('val_loss', float('nan')):.4f}",
         )
-    if cfg.plot:
+    if cfg.plot and lead:
         plot_losses(cfg.metrics, cfg.plot, records)
     return records
 
@@ -214,7 +219,7 @@ def plot_losses(metrics_file: str | None, path: str, records: list[dict]) -> Non
 
 
 def _progress(cfg: RunConfig, position: int):
-    if not cfg.progress:
+    if not cfg.progress or jax.process_index() != 0:
         return None
     from tqdm import tqdm
 
@@ -222,7 +227,7 @@ def _progress(cfg: RunConfig, position: int):
 
 
 def _log(cfg: RunConfig, message: str) -> None:
-    if cfg.progress:
+    if cfg.progress and jax.process_index() == 0:
         from tqdm import tqdm
 
         tqdm.write(message)

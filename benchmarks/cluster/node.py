@@ -129,7 +129,7 @@ def main(argv=None) -> None:
     initialize()
     import jax
 
-    from zpp_jax.data import ByteDataset, stdlib_corpus
+    from zpp_jax.data import ByteDataset, host_to_global, stdlib_corpus
     from zpp_jax.models.gpt import GPTConfig
 
     mesh = node_mesh()
@@ -151,11 +151,7 @@ def main(argv=None) -> None:
             step, state, sharding = _zpp_step(method, model_cfg, mesh, 0)
 
         def batch(i, sharding=sharding):
-            host = data.batch("train", i, args.batch, 0)
-            return {
-                k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
-                for k, v in host.items()
-            }
+            return host_to_global(data.batch("train", i, args.batch, 0), sharding)
 
         start = time.perf_counter()
         compiled = step.lower(state, batch(0)).compile()

@@ -1,0 +1,158 @@
+"""`zpp launch`: N local processes as N nodes of one `jax.distributed` job.
+
+For development, tests and benchmarks on one machine: every process gets
+`local` CPU devices and gloo collectives over TCP, and is told its identity
+through the `ZPP_*` variables `zpp_jax.distributed.initialize` reads. On real
+GPU hosts, start one process per host with a cluster launcher instead (see the
+README).
+
+Failure handling: a process that never joins makes the others give up after
+`init_timeout` seconds; when one process exits with an error or is killed, the
+others are left `grace` seconds to notice on their own (their next collective
+fails, or the coordination service reports the lost heartbeat), then stopped;
+the launcher returns the first failing process's exit status.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from zpp_jax.distributed import (
+    ENV_COORDINATOR,
+    ENV_HEARTBEAT_TIMEOUT,
+    ENV_INIT_TIMEOUT,
+    ENV_LOCAL_CPU_DEVICES,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (for the coordinator)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def process_env(
+    process_id: int,
+    nodes: int,
+    local: int,
+    coordinator: str,
+    heartbeat_timeout: int | None = None,
+    base: dict[str, str] | None = None,
+    init_timeout: int | None = None,
+) -> dict[str, str]:
+    """The environment of process `process_id` of an N-node local job."""
+    env = dict(os.environ if base is None else base)
+    # A device count forced through these would override the per-process one.
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    flags = env.get("XLA_FLAGS", "").split()
+    flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags)
+    env.update(
+        {
+            ENV_COORDINATOR: coordinator,
+            ENV_NUM_PROCESSES: str(nodes),
+            ENV_PROCESS_ID: str(process_id),
+            ENV_LOCAL_CPU_DEVICES: str(local),
+        }
+    )
+    if heartbeat_timeout is not None:
+        env[ENV_HEARTBEAT_TIMEOUT] = str(heartbeat_timeout)
+    if init_timeout is not None:
+        env[ENV_INIT_TIMEOUT] = str(init_timeout)
+    return env
+
+
+def launch(
+    argv: list[str],
+    nodes: int,
+    local: int = 4,
+    port: int | None = None,
+    heartbeat_timeout: int = 10,
+    grace: float = 60.0,
+    init_timeout: int = 30,
+) -> int:
+    """Run ``zpp <argv>`` (or, for ``argv = ["python", ...]``, that Python
+    command) as `nodes` processes; returns the exit
+    status: 0 when all succeed, else the first failure's (128 + signal number
+    for a process killed by a signal)."""
+    if not isinstance(nodes, int) or nodes <= 0:
+        raise ValueError(f"--nodes must be a positive int, got {nodes!r}")
+    if not isinstance(local, int) or local <= 0:
+        raise ValueError(f"--local must be a positive int, got {local!r}")
+    if not argv:
+        raise ValueError("nothing to launch: give a zpp subcommand after --, e.g. -- train")
+    if argv[0] == "launch":
+        raise ValueError("zpp launch cannot launch itself")
+    coordinator = f"127.0.0.1:{port or free_port()}"
+    # `-- python script.py ...` runs a script; anything else is a zpp subcommand.
+    cmd = (
+        [sys.executable, *argv[1:]]
+        if argv[0] == "python"
+        else [sys.executable, "-m", "zpp_jax", *argv]
+    )
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env=process_env(
+                i, nodes, local, coordinator, heartbeat_timeout, init_timeout=init_timeout
+            ),
+        )
+        for i in range(nodes)
+    ]
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _wait(procs, grace)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _wait(procs: list[subprocess.Popen], grace: float) -> int:
+    failed_at = None
+    status = 0
+    while True:
+        codes = [p.poll() for p in procs]
+        for i, code in enumerate(codes):
+            if code not in (None, 0) and failed_at is None:
+                failed_at, status = time.monotonic(), _exit_status(code)
+                print(f"zpp launch: process {i} {_describe(code)}", file=sys.stderr, flush=True)
+        if all(c is not None for c in codes):
+            return status
+        if failed_at is not None and time.monotonic() - failed_at > grace:
+            alive = [i for i, c in enumerate(codes) if c is None]
+            print(
+                f"zpp launch: processes {alive} still running {grace:.0f} s after a failure: "
+                "stopping them",
+                file=sys.stderr,
+                flush=True,
+            )
+            return status
+        time.sleep(0.2)
+
+
+def _exit_status(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
