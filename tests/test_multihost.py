@@ -211,3 +211,12 @@ def test_launch_rejects_bad_arguments():
         launch([], nodes=2)
     with pytest.raises(ValueError, match="cannot launch itself"):
         launch(["launch", "--", "train"], nodes=2)
+
+
+def test_slurm_job_counts_as_multi_process(monkeypatch):
+    for k in ("ZPP_NUM_PROCESSES", "ZPP_PROCESS_ID", "ZPP_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert DistributedConfig.from_env().is_multi_process
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert not DistributedConfig.from_env().is_multi_process

@@ -105,9 +105,26 @@ class DistributedConfig:
 
     @property
     def is_multi_process(self) -> bool:
-        return (self.num_processes or 1) > 1 or (
-            self.num_processes is None and self.cluster_detection_method is not None
-        )
+        """True for several processes, given or left to JAX to detect."""
+        if self.num_processes is not None:
+            return self.num_processes > 1
+        return self.cluster_detection_method is not None or detected_launcher() is not None
+
+
+# Variables by which the launchers JAX auto-detects announce a multi-process job.
+_LAUNCHERS = {"SLURM": "SLURM_NTASKS", "Open MPI": "OMPI_COMM_WORLD_SIZE"}
+
+
+def detected_launcher() -> str | None:
+    """The cluster launcher that started this process with several tasks
+    (SLURM, Open MPI), or None."""
+    for name, var in _LAUNCHERS.items():
+        try:
+            if int(os.environ.get(var, "1")) > 1:
+                return name
+        except ValueError:
+            pass
+    return None
 
 
 def initialize(config: DistributedConfig | None = None) -> DistributedConfig:

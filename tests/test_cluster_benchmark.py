@@ -1,0 +1,65 @@
+"""The two-node benchmark's pieces that run without root: rate parsing and
+one step of every method in one process."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "cluster" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rates():
+    run = _load("run.py")
+    assert run._rate_bits("10gbit") == 10e9
+    assert run._rate_bits("200mbit") == 200e6
+    with pytest.raises(ValueError, match="200mbit"):
+        run._rate_bits("fast")
+
+
+def test_every_method_runs_a_step():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZPP_")}
+    env["ZPP_LOCAL_CPU_DEVICES"] = "8"
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "cluster" / "node.py"),
+            "--d-model",
+            "32",
+            "--layers",
+            "2",
+            "--heads",
+            "2",
+            "--d-ff",
+            "64",
+            "--seq",
+            "16",
+            "--batch",
+            "8",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    recs = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [x["method"] for x in recs] == ["zero3", "zeropp", "jit"]
+    # Same model, same data, same seed: the first losses agree across methods.
+    first = [x["losses"][0] for x in recs]
+    assert max(first) - min(first) < 0.05 and all(x["median_s"] > 0 for x in recs)
