@@ -1,7 +1,7 @@
 """zpp-jax: ZeRO++ (quantized, hierarchical fully-sharded data parallel) and
 TeraPipe (token-level pipeline parallelism) for JAX."""
 
-from zpp_jax import collectives, distributed, quant
+from zpp_jax import collectives, distributed, pipeline, quant
 from zpp_jax.checkpoint import Checkpointer
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.data import ByteDataset, host_to_global, load_text, stdlib_corpus
@@ -25,6 +25,7 @@ __all__ = [
     "cross_entropy",
     "DistributedConfig",
     "distributed",
+    "pipeline",
     "host_to_global",
     "node_mesh",
     "linen_parts",

@@ -200,6 +200,62 @@ def _launch(args) -> int:
     )
 
 
+def _plan(args) -> int:
+    import json
+    import math
+
+    from zpp_jax.pipeline import AnalyticCost, best_uniform, latency, load_cost, plan_tokens
+
+    for name in ("layers", "hidden", "seq", "stages", "batch", "granularity"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
+    per_stage = math.ceil(args.layers / args.stages)
+    if args.cost:
+        cost = load_cost(args.cost)
+    else:
+        cost = AnalyticCost(hidden=args.hidden, layers=per_stage, flops=args.flops)
+    kw = dict(granularity=args.granularity, batch=args.batch, objective=args.objective)
+    plan = plan_tokens(args.seq, args.stages, cost, **kw)
+    uniform = best_uniform(args.seq, args.stages, cost, **kw)
+    whole = latency((args.seq,), cost, args.stages, args.batch, args.objective)
+    if args.json:
+        out = {
+            "objective": args.objective,
+            "layers_per_stage": per_stage,
+            "cost": cost.to_json(),
+            "plan": {"slices": list(plan.slices), "latency_s": plan.latency},
+            "uniform": {"slices": list(uniform.slices), "latency_s": uniform.latency},
+            "no_slicing": {"slices": [args.seq], "latency_s": whole},
+        }
+        print(json.dumps(out))
+        return 0
+    print(
+        f"{args.layers} layers on {args.stages} stages ({per_stage} per stage), hidden "
+        f"{args.hidden}, {args.batch} x {args.seq} tokens, granularity {args.granularity}, "
+        f"{'cost from ' + args.cost if args.cost else 'analytic cost'}, {args.objective} objective"
+    )
+    rows = [("planner", plan), ("best uniform", uniform)]
+    for name, p in rows:
+        print(
+            f"{name:13s} {p.latency * 1e3:12.3f} ms  {whole / p.latency:6.2f}x vs no slicing  "
+            f"{len(p.slices)} slices: {_runs(p.slices)}"
+        )
+    print(f"{'no slicing':13s} {whole * 1e3:12.3f} ms")
+    return 0
+
+
+def _runs(slices) -> str:
+    """Slice lengths with repeats folded: 16x8, 4x16."""
+    out, i = [], 0
+    while i < len(slices):
+        j = i
+        while j < len(slices) and slices[j] == slices[i]:
+            j += 1
+        out.append(f"{j - i}x{slices[i]}" if j - i > 1 else str(slices[i]))
+        i = j
+    return ", ".join(out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zpp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -287,6 +343,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the zpp subcommand")
     launch.set_defaults(func=_launch)
+
+    plan = sub.add_parser(
+        "plan",
+        help="TeraPipe: choose the token slicing of a sequence for a K-stage pipeline",
+    )
+    plan.add_argument("--layers", type=int, required=True)
+    plan.add_argument("--hidden", type=int, required=True)
+    plan.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    plan.add_argument("--stages", type=int, required=True)
+    plan.add_argument("--batch", type=int, default=1, help="sequences per microbatch")
+    plan.add_argument("--granularity", type=int, default=8, help="tokens per planning unit")
+    plan.add_argument("--cost", default=None, help="a cost model JSON (default: analytic)")
+    plan.add_argument(
+        "--flops", type=float, default=1e14, help="device FLOP/s of the analytic cost model"
+    )
+    plan.add_argument("--objective", default="pipeline", choices=("pipeline", "lockstep"))
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=_plan)
 
     demo = sub.add_parser(
         "demo",
