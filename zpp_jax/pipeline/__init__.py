@@ -1,4 +1,4 @@
-"""TeraPipe: token-level pipeline parallelism (planner and cost models)."""
+"""TeraPipe: token-level pipeline parallelism (planner, cost models, runtime)."""
 
 from zpp_jax.pipeline.cost import AnalyticCost, FittedCost, load_cost, save_cost
 from zpp_jax.pipeline.planner import (
@@ -11,12 +11,15 @@ from zpp_jax.pipeline.planner import (
     plan_tokens,
     uniform_slicing,
 )
+from zpp_jax.pipeline.runtime import STAGE, TokenPipeline
 
 __all__ = [
     "AnalyticCost",
     "BatchPlan",
     "FittedCost",
     "Plan",
+    "STAGE",
+    "TokenPipeline",
     "best_uniform",
     "brute_force",
     "latency",

@@ -160,8 +160,7 @@ def plan_batch(
     values = np.unique(np.concatenate([t[np.isfinite(t)] for t in tables.values()]))
     # No slice bound below the cheapest way to finish any microbatch.
     floor = min(
-        float(np.min(t[np.arange(1, n + 1), n - np.arange(1, n + 1)]))
-        for t in tables.values()
+        float(np.min(t[np.arange(1, n + 1), n - np.arange(1, n + 1)])) for t in tables.values()
     )
     values = values[values >= floor]
     best = (np.inf, None)

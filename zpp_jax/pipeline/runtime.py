@@ -1,0 +1,208 @@
+"""TeraPipe runtime: the GPT as K pipeline stages over token slices.
+
+`TokenPipeline(model, mesh, slices)` runs the NNX `GPT` (zpp_jax.models.gpt)
+on a mesh with a `stage` axis of K devices: stage k holds layers
+[k L/K, (k+1) L/K); the embedding runs on the first stage, the LM head and
+the loss on the last. One sequence (or a microbatch of sequences, all cut the
+same way) is cut into the token slices `slices` (any lengths, e.g. a
+`zpp_jax.pipeline.plan_tokens` plan) which flow through the stages.
+
+Schedule: one SPMD program in lockstep. At step s (0 <= s < M + K - 1) stage
+k runs slice s - k (if there is one), every stage padded to the longest
+slice active in that step; the activations move to the next stage with
+`lax.ppermute`. Each stage keeps, per layer, the keys and values of the
+slices it has run (a cache of the whole sequence) and a slice attends to the
+cached prefix plus itself, causally. The backward pass is reverse-mode
+autodiff of that forward schedule: it runs the steps in reverse, and the
+gradients flowing into cached keys and values of earlier slices are added to
+those slices' backward by the cache updates' transposes. Gradients equal the
+unpipelined model's (to fp32 round-off). `zpp_jax.pipeline.latency(...,
+objective="lockstep")` models exactly this schedule's cost.
+
+Memory: each stage keeps its layers' parameters, a key/value cache of
+2 x layers/K x batch x (seq + longest slice) x d_model, and autodiff's
+residuals for every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zpp_jax.models.gpt import GPT
+
+STAGE = "stage"
+
+
+class TokenPipeline:
+    """Loss and gradients of a `GPT` trained as a token-level pipeline.
+
+    ``params = pipe.params()`` lays the model's parameters out for the mesh
+    (`blocks` reshaped to (K, L/K, ...) and sharded over `stage`; embedding
+    and head replicated); ``loss, grads = pipe.value_and_grad(params, tokens,
+    targets)`` (jitted) returns the mean next-token loss and gradients in the
+    same layout. `tokens`, `targets`: int32 (batch, seq_len).
+    """
+
+    def __init__(self, model: GPT, mesh: Mesh, slices: Sequence[int]) -> None:
+        if STAGE not in mesh.axis_names:
+            raise ValueError(f"the mesh needs a {STAGE!r} axis, it has {mesh.axis_names}")
+        self.stages = mesh.shape[STAGE]
+        cfg = model.cfg
+        if cfg.n_layers % self.stages:
+            raise ValueError(
+                f"{cfg.n_layers} layers do not split evenly over {self.stages} stages; "
+                "use a number of stages that divides the layer count"
+            )
+        slices = tuple(int(s) for s in slices)
+        if not slices or min(slices) <= 0:
+            raise ValueError(f"slices must be positive token counts, got {slices}")
+        if sum(slices) != cfg.seq_len:
+            raise ValueError(
+                f"the slices {slices} add up to {sum(slices)} tokens, the model's "
+                f"sequences have {cfg.seq_len}"
+            )
+        self.mesh, self.cfg, self.slices = mesh, cfg, slices
+        self.per_stage = cfg.n_layers // self.stages
+        self._graph = {
+            name: nnx.split(getattr(model, name), nnx.Param, ...)
+            for name in ("embed", "blocks", "head")
+        }
+        self.value_and_grad = jax.jit(self._value_and_grad)
+
+    def params(self) -> dict:
+        """The model's parameters laid out for the pipeline mesh."""
+        p = {name: g[1] for name, g in self._graph.items()}
+        k, per = self.stages, self.per_stage
+        p["blocks"] = jax.tree.map(lambda a: a.reshape(k, per, *a.shape[1:]), p["blocks"])
+        return jax.device_put(p, self.shardings(p))
+
+    def shardings(self, params: dict) -> dict:
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), _specs(params))
+
+    def unstack(self, grads_or_params: dict) -> dict:
+        """`blocks` back to the model's (L, ...) layout."""
+        out = dict(grads_or_params)
+        out["blocks"] = jax.tree.map(
+            lambda a: a.reshape(-1, *a.shape[2:]), grads_or_params["blocks"]
+        )
+        return out
+
+    # -- the schedule ------------------------------------------------------------
+
+    def _value_and_grad(self, params, tokens, targets):
+        spec = _specs(params)
+
+        def local(params, tokens, targets):
+            params = dict(params, blocks=jax.tree.map(lambda a: a[0], params["blocks"]))
+            loss, grads = jax.value_and_grad(self._local_loss)(params, tokens, targets)
+            # Embedding and head are replicated: their gradient is the sum of
+            # every stage's (zero except on the first / last stage).
+            for name in ("embed", "head"):
+                grads[name] = lax.psum(grads[name], STAGE)
+            grads["blocks"] = jax.tree.map(lambda a: a[None], grads["blocks"])
+            return lax.psum(loss, STAGE), grads
+
+        return jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(spec, P(), P()),
+            out_specs=(P(), spec),
+            check_vma=False,
+        )(params, tokens, targets)
+
+    def _local_loss(self, params, tokens, targets):
+        """This stage's share of the mean loss (non-zero on the last stage)."""
+        cfg, k_stages, slices = self.cfg, self.stages, self.slices
+        b = tokens.shape[0]
+        m = len(slices)
+        starts = np.concatenate([[0], np.cumsum(slices)[:-1]]).astype(np.int32)
+        pmax = max(slices)
+        seq = cfg.seq_len
+        stage = lax.axis_index(STAGE)
+        first, last = stage == 0, stage == k_stages - 1
+
+        embed = nnx.merge(self._graph["embed"][0], params["embed"], self._graph["embed"][2])
+        head = nnx.merge(self._graph["head"][0], params["head"], self._graph["head"][2])
+        block_def, _, block_rest = self._graph["blocks"]
+        dtype = jnp.dtype(cfg.dtype)
+        # Room past the sequence: padded rows and idle stages write there.
+        tokens = jnp.pad(tokens, ((0, 0), (0, pmax)))
+        targets = jnp.pad(targets, ((0, 0), (0, pmax)))
+        positions = jnp.pad(embed.positions[...], ((0, pmax), (0, 0)))
+        cache = jnp.zeros((self.per_stage, 2, b, seq + pmax, cfg.d_model), dtype)
+        carry = jnp.zeros((b, pmax, cfg.d_model), dtype)
+        total = jnp.zeros((), jnp.float32)
+
+        for step in range(m + k_stages - 1):
+            active = [i for i in range(step - k_stages + 1, step + 1) if 0 <= i < m]
+            pad = max(slices[i] for i in active)
+            keys = max(int(starts[i]) + slices[i] for i in active)  # static bound
+            i = step - stage
+            on = (i >= 0) & (i < m)
+            ic = jnp.clip(i, 0, m - 1)
+            start = jnp.where(on, jnp.asarray(starts)[ic], seq)
+            length = jnp.where(on, jnp.asarray(slices, np.int32)[ic], 0)
+
+            tok = lax.dynamic_slice_in_dim(tokens, start, pad, axis=1)
+            pos = lax.dynamic_slice_in_dim(positions, start, pad, axis=0)
+            x0 = (embed.tokens(tok) + pos.astype(embed.dtype)).astype(dtype)
+            x = jnp.where(first, x0, carry[:, :pad])
+
+            def layer(x, xs, start=start, pad=pad, keys=keys):
+                p, kv = xs
+                blk = nnx.merge(block_def, p, block_rest)
+                return _cached_block(blk, x, kv, start, keys)
+
+            x, cache = lax.scan(layer, x, (params["blocks"], cache))
+
+            logits = head(x)
+            tgt = lax.dynamic_slice_in_dim(targets, start, pad, axis=1)
+            logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+            nll = -jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+            valid = (jnp.arange(pad) < length)[None, :]
+            total = total + jnp.where(last, jnp.sum(jnp.where(valid, nll, 0.0)), 0.0)
+
+            if step + 1 < m + k_stages - 1:
+                out = jnp.zeros((b, pmax, cfg.d_model), dtype).at[:, :pad].set(x)
+                perm = [(s, s + 1) for s in range(k_stages - 1)]
+                carry = lax.ppermute(out, STAGE, perm) if perm else out
+        return total / (b * seq)
+
+
+def _specs(params: dict) -> dict:
+    """`blocks` split over the stages, everything else replicated."""
+    out = {}
+    for name, tree in params.items():
+        spec = P(STAGE) if name == "blocks" else P()
+        out[name] = jax.tree.map(lambda _, spec=spec: spec, tree)
+    return out
+
+
+def _cached_block(blk, x, kv, start, keys):
+    """One GPT block on a slice x (b, t, d) at positions start..start+t-1,
+    attending to the cached keys/values of positions < `keys` (static) plus
+    itself; returns (y, kv with this slice's keys and values written)."""
+    b, t, d = x.shape
+    nh = blk.n_heads
+    hd = d // nh
+    q, k, v = jnp.split(blk.qkv(blk.ln1(x)), 3, axis=-1)
+    kv = kv.at[0].set(lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv.dtype), start, axis=1))
+    kv = kv.at[1].set(lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv.dtype), start, axis=1))
+    keys_ = kv[0, :, :keys].astype(k.dtype).reshape(b, keys, nh, hd)
+    vals = kv[1, :, :keys].astype(v.dtype).reshape(b, keys, nh, hd)
+    q = q.reshape(b, t, nh, hd)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, keys_).astype(jnp.float32) / jnp.sqrt(hd)
+    allowed = jnp.arange(keys)[None, :] <= (start + jnp.arange(t))[:, None]
+    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(vals.dtype)
+    att = jnp.einsum("bhqk,bkhd->bqhd", probs, vals).reshape(b, t, d)
+    x = x + blk.proj(att).astype(x.dtype)
+    return x + blk.out(jax.nn.gelu(blk.fc(blk.ln2(x)))).astype(x.dtype), kv
