@@ -19,6 +19,13 @@ those slices' backward by the cache updates' transposes. Gradients equal the
 unpipelined model's (to fp32 round-off). `zpp_jax.pipeline.latency(...,
 objective="lockstep")` models exactly this schedule's cost.
 
+With `zero` (a `ZeroPPConfig`) the mesh is (`stage`, `node`, `local`): each
+stage's layers are sharded over that stage's node x local devices as flat
+primary shards (ZeRO-3, or ZeRO++ with the config's techniques), every layer
+call gathers its weight through a `ShardedLayer`, and the batch is split over
+node x local (data parallel inside the stage). A layer's weight is gathered
+once per pipeline step that runs it (M + K - 1 times per training step).
+
 Memory: each stage keeps its layers' parameters, a key/value cache of
 2 x layers/K x batch x (seq + longest slice) x d_model, and autodiff's
 residuals for every step.
@@ -36,7 +43,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zpp_jax.config import ZeroPPConfig
+from zpp_jax.layer import ShardedLayer
+from zpp_jax.mesh import AXES
 from zpp_jax.models.gpt import GPT
+from zpp_jax.partition import FlatLayout
 
 STAGE = "stage"
 
@@ -51,9 +62,20 @@ class TokenPipeline:
     same layout. `tokens`, `targets`: int32 (batch, seq_len).
     """
 
-    def __init__(self, model: GPT, mesh: Mesh, slices: Sequence[int]) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        mesh: Mesh,
+        slices: Sequence[int],
+        zero: ZeroPPConfig | None = None,
+    ) -> None:
         if STAGE not in mesh.axis_names:
             raise ValueError(f"the mesh needs a {STAGE!r} axis, it has {mesh.axis_names}")
+        if zero is not None and any(a not in mesh.axis_names for a in AXES):
+            raise ValueError(
+                f"ZeRO inside the stages needs a ({STAGE!r}, 'node', 'local') mesh, it has "
+                f"{mesh.axis_names}"
+            )
         self.stages = mesh.shape[STAGE]
         cfg = model.cfg
         if cfg.n_layers % self.stages:
@@ -75,45 +97,86 @@ class TokenPipeline:
             name: nnx.split(getattr(model, name), nnx.Param, ...)
             for name in ("embed", "blocks", "head")
         }
+        self.zero = zero
+        self._layers = {}
+        if zero is not None:
+            dp = mesh.shape["node"] * mesh.shape["local"]
+            self.layout = FlatLayout.from_tree(
+                self._graph["blocks"][1], dp, stacked=True, align=zero.alignment
+            )
         self.value_and_grad = jax.jit(self._value_and_grad)
 
     def params(self) -> dict:
         """The model's parameters laid out for the pipeline mesh."""
         p = {name: g[1] for name, g in self._graph.items()}
         k, per = self.stages, self.per_stage
-        p["blocks"] = jax.tree.map(lambda a: a.reshape(k, per, *a.shape[1:]), p["blocks"])
+        if self.zero is not None:
+            flat = jax.vmap(self.layout.flatten)(p["blocks"])
+            p["blocks"] = flat.reshape(k, per, -1)
+        else:
+            p["blocks"] = jax.tree.map(lambda a: a.reshape(k, per, *a.shape[1:]), p["blocks"])
         return jax.device_put(p, self.shardings(p))
 
     def shardings(self, params: dict) -> dict:
-        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), _specs(params))
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._specs(params))
 
     def unstack(self, grads_or_params: dict) -> dict:
         """`blocks` back to the model's (L, ...) layout."""
         out = dict(grads_or_params)
-        out["blocks"] = jax.tree.map(
-            lambda a: a.reshape(-1, *a.shape[2:]), grads_or_params["blocks"]
-        )
+        blocks = grads_or_params["blocks"]
+        if self.zero is not None:
+            out["blocks"] = jax.vmap(self.layout.unflatten)(blocks.reshape(-1, blocks.shape[-1]))
+        else:
+            out["blocks"] = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), blocks)
         return out
+
+    def _specs(self, params: dict) -> dict:
+        """`blocks` split over the stages (and, with ZeRO, their flat shards
+        over node x local), everything else replicated."""
+        block = P(STAGE, None, AXES) if self.zero is not None else P(STAGE)
+        out = {}
+        for name, tree in params.items():
+            spec = block if name == "blocks" else P()
+            out[name] = jax.tree.map(lambda _, spec=spec: spec, tree)
+        return out
+
+    def _sharded(self, keys: int) -> ShardedLayer:
+        """The ZeRO layer of a step whose attention reads `keys` cached positions."""
+        if keys not in self._layers:
+            block_def, _, block_rest = self._graph["blocks"]
+
+            def fn(p, inputs):
+                x, kv, start = inputs
+                return _cached_block(nnx.merge(block_def, p, block_rest), x, kv, start, keys)
+
+            self._layers[keys] = ShardedLayer(fn, self.layout, self.zero, compute_dtype=None)
+        return self._layers[keys]
 
     # -- the schedule ------------------------------------------------------------
 
     def _value_and_grad(self, params, tokens, targets):
-        spec = _specs(params)
+        spec = self._specs(params)
+        zero = self.zero is not None
+        batch_spec = P(AXES) if zero else P()
 
         def local(params, tokens, targets):
             params = dict(params, blocks=jax.tree.map(lambda a: a[0], params["blocks"]))
             loss, grads = jax.value_and_grad(self._local_loss)(params, tokens, targets)
             # Embedding and head are replicated: their gradient is the sum of
-            # every stage's (zero except on the first / last stage).
+            # every stage's (zero except on the first / last stage), averaged
+            # over the data-parallel devices. (ZeRO layers average their own.)
             for name in ("embed", "head"):
                 grads[name] = lax.psum(grads[name], STAGE)
+                if zero:
+                    grads[name] = lax.pmean(grads[name], AXES)
             grads["blocks"] = jax.tree.map(lambda a: a[None], grads["blocks"])
-            return lax.psum(loss, STAGE), grads
+            loss = lax.psum(loss, STAGE)
+            return (lax.pmean(loss, AXES) if zero else loss), grads
 
         return jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(spec, P(), P()),
+            in_specs=(spec, batch_spec, batch_spec),
             out_specs=(P(), spec),
             check_vma=False,
         )(params, tokens, targets)
@@ -156,8 +219,10 @@ class TokenPipeline:
             x0 = (embed.tokens(tok) + pos.astype(embed.dtype)).astype(dtype)
             x = jnp.where(first, x0, carry[:, :pad])
 
-            def layer(x, xs, start=start, pad=pad, keys=keys):
+            def layer(x, xs, start=start, keys=keys):
                 p, kv = xs
+                if self.zero is not None:
+                    return self._sharded(keys)(p, (x, kv, start))
                 blk = nnx.merge(block_def, p, block_rest)
                 return _cached_block(blk, x, kv, start, keys)
 
@@ -175,15 +240,6 @@ class TokenPipeline:
                 perm = [(s, s + 1) for s in range(k_stages - 1)]
                 carry = lax.ppermute(out, STAGE, perm) if perm else out
         return total / (b * seq)
-
-
-def _specs(params: dict) -> dict:
-    """`blocks` split over the stages, everything else replicated."""
-    out = {}
-    for name, tree in params.items():
-        spec = P(STAGE) if name == "blocks" else P()
-        out[name] = jax.tree.map(lambda _, spec=spec: spec, tree)
-    return out
 
 
 def _cached_block(blk, x, kv, start, keys):
