@@ -20,12 +20,11 @@ def _stage_mesh(k):
     )
 
 
-@pytest.fixture(scope="module")
-def reference():
+def _reference(batch, seed):
     model = GPT(CFG, nnx.Rngs(0))
-    rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(0, 256, (2, CFG.seq_len)), jnp.int32)
-    targets = jnp.asarray(rng.integers(0, 256, (2, CFG.seq_len)), jnp.int32)
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(0, 256, (batch, CFG.seq_len)), jnp.int32)
+    targets = jnp.asarray(rng.integers(0, 256, (batch, CFG.seq_len)), jnp.int32)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(params):
@@ -33,6 +32,11 @@ def reference():
 
     value, grads = jax.value_and_grad(loss)(params)
     return model, tokens, targets, float(value), grads
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference(2, 0)
 
 
 @pytest.mark.parametrize(
@@ -81,18 +85,8 @@ def test_bad_input(reference):
 
 
 @pytest.fixture(scope="module")
-def reference4():
-    model = GPT(CFG, nnx.Rngs(0))
-    rng = np.random.default_rng(1)
-    tokens = jnp.asarray(rng.integers(0, 256, (4, CFG.seq_len)), jnp.int32)
-    targets = jnp.asarray(rng.integers(0, 256, (4, CFG.seq_len)), jnp.int32)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def loss(params):
-        return cross_entropy(nnx.merge(graphdef, params, rest)(tokens), targets)
-
-    value, grads = jax.value_and_grad(loss)(params)
-    return model, tokens, targets, float(value), grads
+def reference4():  # 4 sequences: one per data-parallel device of a stage
+    return _reference(4, 1)
 
 
 def _zero_mesh(shape):
