@@ -127,7 +127,7 @@ def test_launch_equals_one_process_and_restores_in_one_process(tmp_path):
 
 
 def test_sigkill_one_process_then_resume(tmp_path):
-    steps, every = 120, 10
+    steps, every = 60, 10
     args = [*TRAIN, "--steps", str(steps), "--ckpt-every", str(every)]
     ckpt = tmp_path / "ckpt"
     # The uninterrupted reference: the same two processes, never killed.

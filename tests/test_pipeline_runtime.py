@@ -46,7 +46,6 @@ def reference():
         (4, (4,) * 8),  # 8 uniform slices
         (2, (12, 9, 6, 5)),  # non-uniform, shrinking like a plan's
         (4, (3, 9, 4, 16)),  # non-uniform, any order
-        (4, (32,)),  # no slicing
     ],
 )
 def test_pipelined_loss_and_gradients_equal_the_model(reference, stages, slices):

@@ -244,6 +244,34 @@ def _plan(args) -> int:
     return 0
 
 
+def _profile(args) -> int:
+    from zpp_jax.models.gpt import GPTConfig
+    from zpp_jax.pipeline.cost import save_cost
+    from zpp_jax.pipeline.profile import profile_stage
+
+    cfg = GPTConfig(
+        seq_len=max(args.lengths) + max(args.contexts),
+        d_model=args.hidden,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        d_ff=args.ffn or 4 * args.hidden,
+        dtype=args.dtype,
+    )
+    cost, _ = profile_stage(
+        cfg,
+        args.layers,
+        args.lengths,
+        args.contexts,
+        args.batch,
+        args.repeats,
+        log=print,
+        seq_len=args.seq,
+    )
+    save_cost(cost, args.out)
+    print(f"fitted cost model (one stage of {args.layers} layers) written to {args.out}")
+    return 0
+
+
 def _runs(slices) -> str:
     """Slice lengths with repeats folded: 16x8, 4x16."""
     out, i = [], 0
@@ -361,6 +389,26 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--objective", default="pipeline", choices=("pipeline", "lockstep"))
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_plan)
+
+    prof = sub.add_parser(
+        "profile",
+        help="time one pipeline stage's forward+backward per (slice length, context) on "
+        "this device and fit the planner's cost model",
+    )
+    prof.add_argument("--layers", type=int, required=True, help="layers per stage")
+    prof.add_argument("--hidden", type=int, required=True)
+    prof.add_argument("--heads", type=int, default=8)
+    prof.add_argument("--ffn", type=int, default=None, help="MLP width (default 4 x hidden)")
+    prof.add_argument("--batch", type=int, default=1)
+    prof.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    prof.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512])
+    prof.add_argument("--contexts", type=int, nargs="+", default=[0, 512, 1024, 1536])
+    prof.add_argument("--repeats", type=int, default=3)
+    prof.add_argument(
+        "--seq", type=int, default=None, help="the pipeline's sequence length (its cache size)"
+    )
+    prof.add_argument("--out", default="cost.json")
+    prof.set_defaults(func=_profile)
 
     demo = sub.add_parser(
         "demo",

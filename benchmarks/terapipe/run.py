@@ -1,0 +1,141 @@
+"""A real two-stage TeraPipe pipeline on this machine, planned from a profile.
+
+    python benchmarks/terapipe/run.py                 # GPT d=256, 4 layers, 2048 tokens
+
+1. Profiles one stage (layers/2 blocks + LM head, forward and backward) in a
+   process pinned to one core with one CPU device (`zpp profile`), over slice
+   lengths x contexts, and fits the cost model.
+2. Plans with the lockstep objective (what the runtime executes): the
+   planner's slicing, the best uniform slicing, and no slicing.
+3. Runs the pipeline for each slicing: two `jax.distributed` processes, each
+   pinned to its own core (`taskset`) with one CPU device, a `stage` mesh
+   across them, a batch of one sequence; median step time (forward +
+   backward) next to the predicted latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def _env(extra=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZPP_", "JAX_", "XLA_"))}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env.update(extra or {})
+    return env
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--granularity", type=int, default=64)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--cost", default="/tmp/zpp_terapipe_cost.json")
+    p.add_argument("--reuse-profile", action="store_true")
+    args = p.parse_args(argv)
+
+    from zpp_jax.launch import free_port, process_env
+    from zpp_jax.pipeline import best_uniform, latency, load_cost, plan_tokens
+
+    per_stage = args.layers // 2
+    if not (args.reuse_profile and pathlib.Path(args.cost).exists()):
+        lengths = [n for n in (64, 128, 256, 512, 1024, 2048) if n <= args.seq]
+        contexts = [c for c in (0, 512, 1024, 1536) if c < args.seq]
+        cmd = [
+            "taskset",
+            "-c",
+            "0",
+            sys.executable,
+            "-m",
+            "zpp_jax",
+            "profile",
+            "--layers",
+            str(per_stage),
+            "--hidden",
+            str(args.hidden),
+            "--heads",
+            str(args.heads),
+            "--lengths",
+            *map(str, lengths),
+            "--contexts",
+            *map(str, contexts),
+            "--out",
+            args.cost,
+        ]
+        subprocess.run(cmd, check=True, env=_env({"ZPP_LOCAL_CPU_DEVICES": "1"}))
+    cost = load_cost(args.cost)
+    g = args.granularity
+    plans = {
+        "no slicing": (args.seq,),
+        "best uniform": best_uniform(args.seq, 2, cost, g, objective="lockstep").slices,
+        "planner": plan_tokens(args.seq, 2, cost, g, objective="lockstep").slices,
+    }
+    predicted = {k: latency(s, cost, 2, objective="lockstep") for k, s in plans.items()}
+    for k, s in plans.items():
+        print(f"{k:13s} {len(s):3d} slices {list(s)}  predicted {predicted[k]:.3f} s", flush=True)
+
+    port = free_port()
+    slicings = json.dumps([list(s) for s in plans.values()])
+    procs = []
+    for i in range(2):
+        env = process_env(i, 2, 1, f"127.0.0.1:{port}", heartbeat_timeout=30, base=_env())
+        cmd = [
+            "taskset",
+            "-c",
+            str(i),
+            sys.executable,
+            str(HERE / "node.py"),
+            "--slicings",
+            slicings,
+            "--hidden",
+            str(args.hidden),
+            "--heads",
+            str(args.heads),
+            "--layers",
+            str(args.layers),
+            "--seq",
+            str(args.seq),
+            "--steps",
+            str(args.steps),
+        ]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    try:
+        out = procs[0].communicate(timeout=3600)[0]
+        procs[1].wait(timeout=120)
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+    if procs[0].returncode:
+        sys.exit(f"the pipeline processes failed ({procs[0].returncode})")
+    measured = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    base = measured[0]["median_s"]
+    print(
+        "| slicing | slices | predicted | measured | measured / predicted | speedup vs no slicing |"
+    )
+    print("|---|---|---|---|---|---|")
+    for (name, s), rec in zip(plans.items(), measured, strict=True):
+        print(
+            f"| {name} | {len(s)}: {_runs(s)} | {predicted[name]:.3f} s | {rec['median_s']:.3f} s"
+            f" | {rec['median_s'] / predicted[name]:.2f} | {base / rec['median_s']:.2f}x |"
+        )
+
+
+def _runs(s):
+    from zpp_jax.cli import _runs
+
+    return _runs(s)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""`zpp profile`: measure one pipeline stage on this device and fit a cost model.
+
+For each (slice length l, context c) of a grid, `profile_stage` times the
+forward and backward pass of what one `TokenPipeline` stage runs in one step:
+`layers` GPT blocks over a slice of l tokens attending to c cached tokens
+plus itself, then the LM head and loss (the runtime runs the head on every
+stage; the embedding is negligible). It fits TeraPipe's model: the measured
+no-context time per length, plus a least-squares fit of the extra time of
+context on [b*c, b*l*c], and returns a `FittedCost` the planner reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from zpp_jax.models.gpt import GPT, GPTConfig
+from zpp_jax.pipeline.cost import FittedCost
+from zpp_jax.pipeline.runtime import _cached_block
+
+
+def stage_step_fn(
+    cfg: GPTConfig, layers: int, batch: int, length: int, context: int, cache_len: int | None = None
+):
+    """A jitted fwd+bwd of one stage step and its inputs: ``f(*args)``.
+
+    `cache_len` is the key/value cache the step updates (the runtime's is
+    the sequence plus the longest slice; default: just the keys it reads)."""
+    model = GPT(dataclasses.replace(cfg, n_layers=layers), nnx.Rngs(0))
+    block_def, block_params, block_rest = nnx.split(model.blocks, nnx.Param, ...)
+    head = model.head
+    keys = context + length
+    dtype = jnp.dtype(cfg.dtype)
+    x = jnp.ones((batch, length, cfg.d_model), dtype)
+    cache_len = keys if cache_len is None else max(cache_len, keys)
+    cache = jnp.ones((layers, 2, batch, cache_len, cfg.d_model), dtype) * 0.01
+    targets = jnp.zeros((batch, length), jnp.int32)
+
+    def loss(block_params, x, cache):
+        def layer(x, xs):
+            p, kv = xs
+            return _cached_block(nnx.merge(block_def, p, block_rest), x, kv, context, keys)
+
+        y, cache = jax.lax.scan(layer, x, (block_params, cache))
+        logp = jax.nn.log_softmax(head(y).astype(jnp.float32), axis=-1)
+        nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)
+        return jnp.sum(nll) + jnp.sum(cache[:, :, :, :1].astype(jnp.float32))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (block_params, x, cache)
+
+
+def time_call(fn, args, repeats: int = 5) -> float:
+    """Median seconds of `fn(*args)` after one warm-up call (compilation)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def profile_stage(
+    cfg: GPTConfig,
+    layers: int,
+    lengths: list[int],
+    contexts: list[int],
+    batch: int = 1,
+    repeats: int = 5,
+    log=None,
+    seq_len: int | None = None,
+) -> tuple[FittedCost, list[dict]]:
+    """Time the grid and fit; returns the model and the measurements
+    ``[{"length", "context", "seconds"}]``. With `seq_len`, every step
+    updates a cache of seq_len + length positions, as the runtime's does."""
+    if not lengths or min(lengths) <= 0 or any(c < 0 for c in contexts):
+        raise ValueError("lengths must be positive and contexts non-negative")
+    rows = []
+    for length in sorted(set(lengths)):
+        for context in sorted({0, *contexts}):
+            cache_len = None if seq_len is None else seq_len + length
+            fn, args = stage_step_fn(cfg, layers, batch, length, context, cache_len)
+            t = time_call(fn, args, repeats)
+            rows.append({"length": length, "context": context, "seconds": t})
+            if log:
+                log(f"l={length:5d} c={context:5d}: {t * 1e3:9.3f} ms")
+    return fit(rows, batch), rows
+
+
+def fit(rows: list[dict], batch: int = 1) -> FittedCost:
+    """TeraPipe's fit: the no-context times as measured, the extra time of
+    context by least squares on [b*c, b*l*c] (both zero without context, so
+    the measured times stay exact there). The model's `layers` is 1: the
+    times are already of a whole stage."""
+    base = {r["length"]: r["seconds"] for r in rows if r["context"] == 0}
+    if len(base) < 2:
+        raise ValueError("the fit needs no-context times of at least two lengths")
+    extra = [r for r in rows if r["context"] > 0]
+    if extra:
+        a = np.array(
+            [[batch * r["context"], batch * r["length"] * r["context"]] for r in extra],
+            np.float64,
+        )
+        y = np.array([r["seconds"] - base[r["length"]] for r in extra], np.float64)
+        c1, c2 = (float(v) for v in np.linalg.lstsq(a, y, rcond=None)[0])
+        coef = (0.0, c1, c2)
+    else:
+        coef = (0.0, 0.0, 0.0)
+    lengths = sorted(base)
+    return FittedCost(
+        layers=1,
+        base_lengths=tuple(batch * n for n in lengths),
+        base_times=tuple(base[n] for n in lengths),
+        coef=coef,
+    )
