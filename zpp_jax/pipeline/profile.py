@@ -96,8 +96,8 @@ def profile_stage(
 def fit(rows: list[dict], batch: int = 1) -> FittedCost:
     """TeraPipe's fit: the no-context times as measured, the extra time of
     context by least squares on [b*c, b*l*c] (both zero without context, so
-    the measured times stay exact there). The model's `layers` is 1: the
-    times are already of a whole stage."""
+    the measured times stay exact there), weighted by 1 / measured time.
+    The model's `layers` is 1: the times are already of a whole stage."""
     base = {r["length"]: r["seconds"] for r in rows if r["context"] == 0}
     if len(base) < 2:
         raise ValueError("the fit needs no-context times of at least two lengths")
@@ -108,7 +108,10 @@ def fit(rows: list[dict], batch: int = 1) -> FittedCost:
             np.float64,
         )
         y = np.array([r["seconds"] - base[r["length"]] for r in extra], np.float64)
-        c1, c2 = (float(v) for v in np.linalg.lstsq(a, y, rcond=None)[0])
+        # Relative residuals: slices from tens of tokens to the whole
+        # sequence differ 100x in time, and the short ones must fit too.
+        w = 1.0 / np.array([r["seconds"] for r in extra], np.float64)
+        c1, c2 = (float(v) for v in np.linalg.lstsq(a * w[:, None], y * w, rcond=None)[0])
         coef = (0.0, c1, c2)
     else:
         coef = (0.0, 0.0, 0.0)
