@@ -71,3 +71,12 @@ def test_zpp_profile_writes_a_model_the_planner_reads(tmp_path, capsys):
         == 0
     )
     assert "planner" in capsys.readouterr().out
+
+
+def test_fitted_cost_never_drops_below_the_no_context_time():
+    from zpp_jax.pipeline.cost import FittedCost
+
+    noisy = FittedCost(
+        layers=1, base_lengths=(4, 8), base_times=(1e-3, 2e-3), coef=(0.0, -1e-3, 0.0)
+    )
+    assert float(noisy(1, 4, 100)) == pytest.approx(1e-3)

@@ -236,8 +236,9 @@ def _plan(args) -> int:
     )
     rows = [("planner", plan), ("best uniform", uniform)]
     for name, p in rows:
+        speedup = whole / p.latency if p.latency > 0 else float("inf")
         print(
-            f"{name:13s} {p.latency * 1e3:12.3f} ms  {whole / p.latency:6.2f}x vs no slicing  "
+            f"{name:13s} {p.latency * 1e3:12.3f} ms  {speedup:6.2f}x vs no slicing  "
             f"{len(p.slices)} slices: {_runs(p.slices)}"
         )
     print(f"{'no slicing':13s} {whole * 1e3:12.3f} ms")

@@ -86,7 +86,9 @@ class FittedCost:
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
         base = np.where(bl > xs[-1], ys[-1] + (bl - xs[-1]) * slope, np.interp(bl, xs, ys))
         extra = self.coef[0] * bl + self.coef[1] * bc + self.coef[2] * bl * np.asarray(context)
-        return self.layers * np.maximum(base + extra, 0.0)
+        # Context never makes a slice faster: a fit that dips below the
+        # measured no-context time (noise on short slices) is held there.
+        return self.layers * np.maximum(base + extra, base)
 
     def to_json(self) -> dict:
         return {"kind": "fitted", **dataclasses.asdict(self)}
