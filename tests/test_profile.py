@@ -80,3 +80,11 @@ def test_fitted_cost_never_drops_below_the_no_context_time():
         layers=1, base_lengths=(4, 8), base_times=(1e-3, 2e-3), coef=(0.0, -1e-3, 0.0)
     )
     assert float(noisy(1, 4, 100)) == pytest.approx(1e-3)
+
+
+def test_fitted_cost_is_monotone_in_length_despite_noise():
+    from zpp_jax.pipeline.cost import FittedCost
+
+    noisy = FittedCost(layers=1, base_lengths=(4, 8), base_times=(6e-4, 3e-4), coef=(0.0, 0.0, 0.0))
+    times = [float(noisy(1, n, 0)) for n in (4, 8, 16, 64)]
+    assert times == sorted(times) and min(times) > 0

@@ -82,8 +82,10 @@ class FittedCost:
         bl = np.asarray(batch, np.float64) * np.asarray(length, np.float64)
         bc = np.asarray(batch, np.float64) * np.asarray(context, np.float64)
         xs = np.asarray(self.base_lengths, np.float64)
-        ys = np.asarray(self.base_times, np.float64)
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        # A longer slice never takes less time: noise in the measurements
+        # must not make the model (or its extrapolation) decrease.
+        ys = np.maximum.accumulate(np.asarray(self.base_times, np.float64))
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
         base = np.where(bl > xs[-1], ys[-1] + (bl - xs[-1]) * slope, np.interp(bl, xs, ys))
         extra = self.coef[0] * bl + self.coef[1] * bc + self.coef[2] * bl * np.asarray(context)
         # Context never makes a slice faster: a fit that dips below the
