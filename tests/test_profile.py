@@ -20,8 +20,12 @@ def test_fit_recovers_a_known_cost():
     ]
     model = fit(rows)
     assert np.allclose(model.coef, coef, rtol=1e-6, atol=1e-12)
+    # One slope per length: coef[1] + coef[2] * n seconds per context token.
+    assert np.allclose(model.context_slopes, [coef[1] + coef[2] * n for n in base], rtol=1e-9)
     for r in rows:
         assert float(model(1, r["length"], r["context"])) == pytest.approx(r["seconds"], rel=1e-6)
+    # Between measured lengths the slope is interpolated: exact for this cost.
+    assert float(model(1, 48, 100)) == pytest.approx(2.0e-3 + (3e-7 + 4e-9 * 48) * 100, rel=1e-9)
     with pytest.raises(ValueError, match="at least two lengths"):
         fit([{"length": 8, "context": 0, "seconds": 1.0}])
 
@@ -88,3 +92,54 @@ def test_fitted_cost_is_monotone_in_length_despite_noise():
     noisy = FittedCost(layers=1, base_lengths=(4, 8), base_times=(6e-4, 3e-4), coef=(0.0, 0.0, 0.0))
     times = [float(noisy(1, n, 0)) for n in (4, 8, 16, 64)]
     assert times == sorted(times) and min(times) > 0
+
+
+def test_per_length_slopes_follow_a_cost_the_three_term_fit_cannot():
+    # Flat context slope for short slices, steep for long ones (cache effects).
+    slope = {64: 2e-5, 128: 2e-5, 512: 2e-4}
+    rows = [
+        {"length": n, "context": c, "seconds": 1e-4 * n + slope[n] * c}
+        for n in slope
+        for c in (0, 256, 512, 1024)
+    ]
+    model = fit(rows)
+    worst = max(abs(float(model(1, r["length"], r["context"])) / r["seconds"] - 1) for r in rows)
+    assert worst < 1e-9
+    from zpp_jax.pipeline.cost import FittedCost
+
+    three_term = FittedCost(
+        layers=1, base_lengths=model.base_lengths, base_times=model.base_times, coef=model.coef
+    )
+    worst3 = max(
+        abs(float(three_term(1, r["length"], r["context"])) / r["seconds"] - 1) for r in rows
+    )
+    assert worst3 > 0.05
+
+
+def test_step_overhead_calibration_recovers_the_overhead(tmp_path):
+    from zpp_jax.pipeline import calibrate_step_overhead, latency, save_cost
+    from zpp_jax.pipeline.cost import FittedCost
+
+    cost = FittedCost(
+        layers=2, base_lengths=(8, 16), base_times=(1e-3, 1.8e-3), coef=(0.0, 1e-6, 1e-8)
+    )
+    slices = (8, 8, 16, 8, 8)
+    true = FittedCost(**{**cost.__dict__, "step_overhead": 2.5e-4})
+    measured = latency(slices, true, 3, objective="lockstep")
+    # 7 steps of 2.5e-4 s on top of the stage model.
+    assert measured == pytest.approx(latency(slices, cost, 3, objective="lockstep") + 7 * 2.5e-4)
+    calibrated = calibrate_step_overhead(cost, slices, 3, measured)
+    assert calibrated.step_overhead == pytest.approx(2.5e-4, rel=1e-9)
+    # Calibrating again starts from the stage model, not from the last overhead.
+    assert calibrate_step_overhead(calibrated, slices, 3, measured).step_overhead == pytest.approx(
+        2.5e-4, rel=1e-9
+    )
+    assert calibrate_step_overhead(cost, slices, 3, measured / 2).step_overhead == 0.0
+    save_cost(calibrated, tmp_path / "c.json")
+    assert load_cost(tmp_path / "c.json") == calibrated
+    with pytest.raises(ValueError, match="positive time"):
+        calibrate_step_overhead(cost, slices, 3, 0.0)
+    with pytest.raises(ValueError, match="step_overhead"):
+        FittedCost(**{**cost.__dict__, "step_overhead": -1.0})
+    with pytest.raises(ValueError, match="one slope per base length"):
+        FittedCost(**{**cost.__dict__, "context_slopes": (1e-6,)})

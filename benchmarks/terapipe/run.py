@@ -5,17 +5,24 @@
 1. Profiles one stage (layers/2 blocks + LM head, forward and backward) in a
    process pinned to one core with one CPU device (`zpp profile`), over slice
    lengths x contexts, and fits the cost model.
-2. Plans with the lockstep objective (what the runtime executes): the
+2. Calibrates the runtime's per-step overhead (activation transfers, the
+   stages waiting for each other), which one stage alone does not show: runs
+   the real pipeline once on a calibration slicing of `granularity`-token
+   slices (the most steps any plan can have) and sets `step_overhead` so
+   that the model predicts that run (`calibrate_step_overhead`).
+3. Plans with the lockstep objective (what the runtime executes): the
    planner's slicing, the best uniform slicing, and no slicing.
-3. Runs the pipeline for each slicing: two `jax.distributed` processes, each
+4. Runs the pipeline for each slicing: two `jax.distributed` processes, each
    pinned to its own core (`taskset`) with one CPU device, a `stage` mesh
    across them, a batch of one sequence; median step time (forward +
-   backward) next to the predicted latency.
+   backward) next to the predicted latency. These runs are separate from
+   the calibration run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -44,8 +51,14 @@ def main(argv=None) -> None:
     p.add_argument("--reuse-profile", action="store_true")
     args = p.parse_args(argv)
 
-    from zpp_jax.launch import free_port, process_env
-    from zpp_jax.pipeline import best_uniform, latency, load_cost, plan_tokens
+    from zpp_jax.pipeline import (
+        best_uniform,
+        calibrate_step_overhead,
+        latency,
+        load_cost,
+        plan_tokens,
+        save_cost,
+    )
 
     per_stage = args.layers // 2
     if not (args.reuse_profile and pathlib.Path(args.cost).exists()):
@@ -68,6 +81,20 @@ def main(argv=None) -> None:
             sys.exit("profiling failed")
     cost = load_cost(args.cost)
     g = args.granularity
+    calibration = tuple([g] * (args.seq // g))
+    if args.seq % g:
+        sys.exit(f"--seq {args.seq} is not a multiple of --granularity {g}")
+    (rec,) = _run_pipeline(args, [calibration])
+    cost = calibrate_step_overhead(cost, calibration, 2, rec["median_s"])
+    save_cost(cost, args.cost)
+    bare = latency(
+        calibration, dataclasses.replace(cost, step_overhead=0.0), 2, objective="lockstep"
+    )
+    print(
+        f"calibration   {len(calibration):3d} x {g}: measured {rec['median_s']:.3f} s, "
+        f"stage model alone {bare:.3f} s -> step overhead {cost.step_overhead * 1e3:.1f} ms",
+        flush=True,
+    )
     plans = {
         "no slicing": (args.seq,),
         "best uniform": best_uniform(args.seq, 2, cost, g, objective="lockstep").slices,
@@ -76,42 +103,7 @@ def main(argv=None) -> None:
     predicted = {k: latency(s, cost, 2, objective="lockstep") for k, s in plans.items()}
     for k, s in plans.items():
         print(f"{k:13s} {len(s):3d} slices {list(s)}  predicted {predicted[k]:.3f} s", flush=True)
-
-    port = free_port()
-    slicings = json.dumps([list(s) for s in plans.values()])
-    procs = []
-    for i in range(2):
-        env = process_env(i, 2, 1, f"127.0.0.1:{port}", heartbeat_timeout=30, base=_env())
-        cmd = [
-            "taskset",
-            "-c",
-            str(i),
-            sys.executable,
-            str(HERE / "node.py"),
-            "--slicings",
-            slicings,
-            "--hidden",
-            str(args.hidden),
-            "--heads",
-            str(args.heads),
-            "--layers",
-            str(args.layers),
-            "--seq",
-            str(args.seq),
-            "--steps",
-            str(args.steps),
-        ]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
-    try:
-        out = procs[0].communicate(timeout=3600)[0]
-        procs[1].wait(timeout=120)
-    finally:
-        for q in procs:
-            if q.poll() is None:
-                q.kill()
-    if procs[0].returncode:
-        sys.exit(f"the pipeline processes failed ({procs[0].returncode})")
-    measured = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    measured = _run_pipeline(args, list(plans.values()))
     base = measured[0]["median_s"]
     print(
         "| slicing | slices | predicted | measured | measured / predicted | speedup vs no slicing |"
@@ -122,6 +114,31 @@ def main(argv=None) -> None:
             f"| {name} | {len(s)}: {_runs(s)} | {predicted[name]:.3f} s | {rec['median_s']:.3f} s"
             f" | {rec['median_s'] / predicted[name]:.2f} | {base / rec['median_s']:.2f}x |"
         )
+
+
+def _run_pipeline(args, slicings) -> list[dict]:
+    """Median step times of the two-process pipeline, one record per slicing."""
+    from zpp_jax.launch import free_port, process_env
+
+    port = free_port()
+    procs = []
+    for i in range(2):
+        env = process_env(i, 2, 1, f"127.0.0.1:{port}", heartbeat_timeout=30, base=_env())
+        cmd = ["taskset", "-c", str(i), sys.executable, str(HERE / "node.py")]
+        cmd += ["--slicings", json.dumps([list(s) for s in slicings])]
+        for flag in ("hidden", "heads", "layers", "seq", "steps"):
+            cmd += [f"--{flag}", str(getattr(args, flag))]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    try:
+        out = procs[0].communicate(timeout=3600)[0]
+        procs[1].wait(timeout=120)
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+    if procs[0].returncode:
+        sys.exit(f"the pipeline processes failed ({procs[0].returncode})")
+    return [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
 
 
 def _runs(s):

@@ -11,6 +11,7 @@ from zpp_jax.pipeline.planner import (
     plan_tokens,
     uniform_slicing,
 )
+from zpp_jax.pipeline.profile import calibrate_step_overhead
 from zpp_jax.pipeline.runtime import STAGE, TokenPipeline
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "TokenPipeline",
     "best_uniform",
     "brute_force",
+    "calibrate_step_overhead",
     "latency",
     "load_cost",
     "plan_batch",

@@ -4,9 +4,13 @@ sequences, `l` new tokens each, after a context of `c` tokens.
 
 Two models share that contract: `AnalyticCost` (FLOPs / device throughput,
 plus a fixed per-layer overhead that makes very short slices inefficient)
-for planning without a device, and `FittedCost` (TeraPipe's least-squares fit
-of measured times: measured no-context time per length, plus
-``coef . [b*l, b*c, b*l*c]`` for the context), saved to and loaded from JSON.
+for planning without a device, and `FittedCost` (measured times: the
+no-context time per length, plus the extra time of context, either TeraPipe's
+least-squares ``coef . [b*l, b*c, b*l*c]`` or one fitted slope per measured
+length), saved to and loaded from JSON. A `FittedCost` may also carry a
+per-step overhead of the pipeline runtime (activation transfers and the
+stages waiting for each other), calibrated on a real pipeline with
+`calibrate_step_overhead`.
 """
 
 from __future__ import annotations
@@ -63,12 +67,23 @@ class AnalyticCost:
 class FittedCost:
     """Measured per-layer times: `base_lengths` / `base_times` (no context,
     b*l tokens, interpolated linearly, extrapolated by the last two points)
-    plus ``coef . [b*l, b*c, b*l*c]`` for the context, times `layers`."""
+    plus the extra time of context, times `layers`, plus `step_overhead`.
+
+    The context term is ``coef . [b*l, b*c, b*l*c]`` or, when
+    `context_slopes` is given (seconds per context token, one per base
+    length; interpolated and extrapolated like the base times), ``slope(b*l)
+    * b*c``: a slope per measured length follows the measurements where the
+    three-term fit cannot (cache effects make short slices' slope flat).
+    `step_overhead` (seconds) is added once per stage step, not per layer:
+    what the runtime spends per step beyond the stage's own compute.
+    """
 
     layers: int
     base_lengths: tuple[int, ...]
     base_times: tuple[float, ...]
     coef: tuple[float, float, float]
+    context_slopes: tuple[float, ...] | None = None
+    step_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.base_lengths) < 2 or len(self.base_lengths) != len(self.base_times):
@@ -77,23 +92,36 @@ class FittedCost:
             raise ValueError("base_lengths must be strictly increasing")
         if not isinstance(self.layers, int) or self.layers <= 0:
             raise ValueError(f"layers must be a positive int, got {self.layers!r}")
+        if self.context_slopes is not None and len(self.context_slopes) != len(self.base_lengths):
+            raise ValueError("context_slopes needs one slope per base length")
+        if not (np.isfinite(self.step_overhead) and self.step_overhead >= 0):
+            raise ValueError(f"step_overhead must be >= 0 seconds, got {self.step_overhead!r}")
 
     def __call__(self, batch, length, context):
         bl = np.asarray(batch, np.float64) * np.asarray(length, np.float64)
         bc = np.asarray(batch, np.float64) * np.asarray(context, np.float64)
-        xs = np.asarray(self.base_lengths, np.float64)
-        # A longer slice never takes less time: noise in the measurements
-        # must not make the model (or its extrapolation) decrease.
-        ys = np.maximum.accumulate(np.asarray(self.base_times, np.float64))
-        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
-        base = np.where(bl > xs[-1], ys[-1] + (bl - xs[-1]) * slope, np.interp(bl, xs, ys))
-        extra = self.coef[0] * bl + self.coef[1] * bc + self.coef[2] * bl * np.asarray(context)
+        base = _monotone_interp(bl, self.base_lengths, self.base_times)
+        if self.context_slopes is not None:
+            extra = _monotone_interp(bl, self.base_lengths, self.context_slopes) * bc
+        else:
+            extra = self.coef[0] * bl + self.coef[1] * bc + self.coef[2] * bl * np.asarray(context)
         # Context never makes a slice faster: a fit that dips below the
         # measured no-context time (noise on short slices) is held there.
-        return self.layers * np.maximum(base + extra, base)
+        return self.layers * np.maximum(base + extra, base) + self.step_overhead
 
     def to_json(self) -> dict:
         return {"kind": "fitted", **dataclasses.asdict(self)}
+
+
+def _monotone_interp(x, xs, ys):
+    """Piecewise-linear in x through (xs, ys), extrapolated by the last two
+    points; non-decreasing. A longer slice never takes less time (nor less
+    per context token): noise in the measurements must not make the model
+    or its extrapolation decrease."""
+    xs = np.asarray(xs, np.float64)
+    ys = np.maximum.accumulate(np.maximum(np.asarray(ys, np.float64), 0.0))
+    slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+    return np.where(x > xs[-1], ys[-1] + (x - xs[-1]) * slope, np.interp(x, xs, ys))
 
 
 def save_cost(model, path: str | pathlib.Path) -> None:
@@ -110,10 +138,13 @@ def load_cost(path: str | pathlib.Path):
     if kind == "analytic":
         return AnalyticCost(**data)
     if kind == "fitted":
+        slopes = data.get("context_slopes")
         return FittedCost(
             layers=data["layers"],
             base_lengths=tuple(data["base_lengths"]),
             base_times=tuple(data["base_times"]),
             coef=tuple(data["coef"]),
+            context_slopes=None if slopes is None else tuple(slopes),
+            step_overhead=float(data.get("step_overhead", 0.0)),
         )
     raise ValueError(f"{path}: unknown cost model kind {kind!r} (analytic or fitted)")

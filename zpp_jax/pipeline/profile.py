@@ -4,9 +4,15 @@ For each (slice length l, context c) of a grid, `profile_stage` times the
 forward and backward pass of what one `TokenPipeline` stage runs in one step:
 `layers` GPT blocks over a slice of l tokens attending to c cached tokens
 plus itself, then the LM head and loss (the runtime runs the head on every
-stage; the embedding is negligible). It fits TeraPipe's model: the measured
-no-context time per length, plus a least-squares fit of the extra time of
-context on [b*c, b*l*c], and returns a `FittedCost` the planner reads.
+stage; the embedding is negligible). It fits the model: the measured
+no-context time per length, plus the extra time of context as one
+least-squares slope per length (and TeraPipe's fit on [b*c, b*l*c], kept for
+reference), and returns a `FittedCost` the planner reads.
+
+What one stage step in isolation does not show (the activation transfer
+between stages, and stages waiting for each other in lockstep) is
+`calibrate_step_overhead`'s job: it compares one measured run of the real
+pipeline with the model's prediction and sets the per-step overhead.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from flax import nnx
 
 from zpp_jax.models.gpt import GPT, GPTConfig
 from zpp_jax.pipeline.cost import FittedCost
+from zpp_jax.pipeline.planner import latency
 from zpp_jax.pipeline.runtime import _cached_block
 
 
@@ -94,10 +101,13 @@ def profile_stage(
 
 
 def fit(rows: list[dict], batch: int = 1) -> FittedCost:
-    """TeraPipe's fit: the no-context times as measured, the extra time of
-    context by least squares on [b*c, b*l*c] (both zero without context, so
-    the measured times stay exact there), weighted by 1 / measured time.
-    The model's `layers` is 1: the times are already of a whole stage."""
+    """The no-context times as measured; the extra time of context as a
+    least-squares slope (seconds per context token) per length, through
+    zero at no context, when every length has a time with context. Also
+    TeraPipe's fit on [b*c, b*l*c] (weighted by 1 / measured time), which
+    the model uses when there are no per-length slopes. Both terms are zero
+    without context, so the measured times stay exact there. The model's
+    `layers` is 1: the times are already of a whole stage."""
     base = {r["length"]: r["seconds"] for r in rows if r["context"] == 0}
     if len(base) < 2:
         raise ValueError("the fit needs no-context times of at least two lengths")
@@ -116,9 +126,35 @@ def fit(rows: list[dict], batch: int = 1) -> FittedCost:
     else:
         coef = (0.0, 0.0, 0.0)
     lengths = sorted(base)
+    slopes = None
+    if all(any(r["length"] == n for r in extra) for n in lengths):
+        slopes = []
+        for n in lengths:
+            c = np.array([batch * r["context"] for r in extra if r["length"] == n], np.float64)
+            y = np.array([r["seconds"] - base[n] for r in extra if r["length"] == n], np.float64)
+            slopes.append(float(c @ y / (c @ c)))
+        slopes = tuple(slopes)
     return FittedCost(
         layers=1,
         base_lengths=tuple(batch * n for n in lengths),
         base_times=tuple(base[n] for n in lengths),
         coef=coef,
+        context_slopes=slopes,
     )
+
+
+def calibrate_step_overhead(
+    cost: FittedCost, slices, stages: int, measured_s: float, batch: int = 1
+) -> FittedCost:
+    """`cost` with the `step_overhead` that makes the lockstep prediction of
+    `slices` on `stages` stages equal `measured_s` (a measured step time of
+    the real pipeline), spread evenly over its len(slices) + stages - 1
+    steps; never negative (a measurement below the prediction leaves 0).
+    Calibrate on a slicing with many short slices, where the overhead is a
+    large share of the time, and report predictions for other slicings."""
+    if not measured_s > 0:
+        raise ValueError(f"measured_s must be a positive time, got {measured_s!r}")
+    base = dataclasses.replace(cost, step_overhead=0.0)
+    predicted = latency(slices, base, stages, batch, objective="lockstep")
+    steps = len(slices) + stages - 1
+    return dataclasses.replace(base, step_overhead=max(0.0, (measured_s - predicted) / steps))
