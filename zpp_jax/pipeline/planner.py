@@ -157,17 +157,8 @@ def plan_batch(
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     n = _units(seq_len, granularity)
     tables = {b: _cost_table(n, granularity, cost, b) for b in range(1, batch + 1)}
-    values = np.unique(np.concatenate([t[np.isfinite(t)] for t in tables.values()]))
-    # No slice bound below the cheapest way to finish any microbatch.
-    floor = min(
-        float(np.min(t[np.arange(1, n + 1), n - np.arange(1, n + 1)])) for t in tables.values()
-    )
-    values = values[values >= floor]
-    best = (np.inf, None)
-    for start in range(0, len(values), chunk):
-        tmax = values[start : start + chunk]
-        if (stages - 1) * tmax[0] >= best[0]:
-            break
+    best = _Best()
+    for tmax in _bound_chunks(_bounds(list(tables.values()), n), stages, chunk, best):
         runs = {b: _dp(tables[b], n, tmax) for b in tables}
         f = np.full((len(tmax), batch + 1), np.inf)
         f[:, 0] = 0.0
@@ -180,15 +171,15 @@ def plan_batch(
                 pick[:, total] = np.where(better, b, pick[:, total])
         totals = f[:, batch] + (stages - 1) * tmax
         j = int(np.argmin(totals))
-        if totals[j] < best[0]:
+        if totals[j] < best.latency:
             micro, rest = [], batch
             while rest:
                 b = int(pick[j, rest])
                 micro.append((b, tuple(u * granularity for u in _backtrack(runs[b][1][j], n))))
                 rest -= b
-            best = (float(totals[j]), tuple(reversed(micro)))
-    times = np.concatenate([slice_times(s, cost, b) for b, s in best[1]])
-    return BatchPlan(best[1], float(times.sum() + (stages - 1) * times.max()))
+            best.latency, best.units = float(totals[j]), tuple(reversed(micro))
+    times = np.concatenate([slice_times(s, cost, b) for b, s in best.units])
+    return BatchPlan(best.units, float(times.sum() + (stages - 1) * times.max()))
 
 
 def brute_force(
@@ -249,19 +240,35 @@ def _dp(table: np.ndarray, n: int, tmax: np.ndarray):
 
 @dataclasses.dataclass
 class _Best:
+    """The best plan found so far (`units`: slice units, or microbatches)."""
+
     latency: float = np.inf
-    units: tuple[int, ...] = ()
+    units: tuple = ()
 
 
-def _dp_chunks(table, n, stages, chunk, best: _Best):
-    values = np.unique(table[np.isfinite(table)])
-    # The last slice ends at n: no bound below its cheapest form can work.
-    floor = float(np.min(table[np.arange(1, n + 1), n - np.arange(1, n + 1)]))
-    values = values[values >= floor]
+def _bounds(tables: list[np.ndarray], n: int) -> np.ndarray:
+    """Every distinct slice time that can bound the longest slice, cheapest
+    first. The last slice of a sequence ends at unit n: no bound below the
+    cheapest such slice (over all `tables`) admits a plan."""
+    values = np.unique(np.concatenate([t[np.isfinite(t)] for t in tables]))
+    ks = np.arange(1, n + 1)
+    floor = min(float(np.min(t[ks, n - ks])) for t in tables)
+    return values[values >= floor]
+
+
+def _bound_chunks(values: np.ndarray, stages: int, chunk: int, best: _Best):
+    """`values` in chunks of `chunk` bounds, stopping once (K - 1) x the
+    smallest bound alone reaches the best latency found so far (TeraPipe's
+    early stop: every later bound is larger)."""
     for start in range(0, len(values), chunk):
         tmax = values[start : start + chunk]
         if (stages - 1) * tmax[0] >= best.latency:
             return
+        yield tmax
+
+
+def _dp_chunks(table, n, stages, chunk, best: _Best):
+    for tmax in _bound_chunks(_bounds([table], n), stages, chunk, best):
         s_end, choice = _dp(table, n, tmax)
         yield tmax, s_end, choice
 
