@@ -19,6 +19,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import pallas_kernels as kernels
 from zpp_jax import collectives
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.mesh import AXES, LOCAL, NODE, mesh_shape
@@ -125,25 +126,30 @@ class ShardedLayer:
         return self._assemble(saved)
 
     def _to_wire(self, shard):
+        """This device's shard as it travels: int8/int4 codes and fp32 scales
+        (`quant.QuantizedBlocks`), or the raw bits of `comm_dtype`."""
         cfg = self.config
         if cfg.quantize_weights:
-            return collectives.quantize_to_wire(shard, cfg.weight_bits, cfg.block_size)
+            return kernels.quantize(shard, cfg.weight_bits, cfg.block_size)
         dtype = shard.dtype if cfg.comm_dtype is None else jnp.dtype(cfg.comm_dtype)
         return collectives.to_bits(shard.astype(dtype))
 
     def _assemble(self, secondary):
-        """(nodes, ...) secondary rows -> gathered over `local` -> the full weight."""
-        rows = collectives.gather_over(secondary, LOCAL)  # (local, nodes, ...)
-        rows = rows.swapaxes(0, 1).reshape(-1, *rows.shape[2:])  # device order
+        """Secondary (nodes, ...) -> gathered over `local` -> the full weight.
+        The local gather stacks its rows at axis 1, so (nodes, local, ...) is
+        already device order (node-major) and no transpose is needed."""
+        rows = collectives.gather_over(secondary, LOCAL, position=1)
+        rows = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), rows)
         if self.config.quantize_weights:
             return self._decode(rows)
         dtype = jnp.float32 if self.config.comm_dtype is None else self.config.comm_dtype
         return self._decode(collectives.from_bits(rows, dtype))
 
     def _decode(self, rows):
+        """(N, ...) gathered rows (codes and scales, or values) -> (N*s,) fp32."""
         cfg, s = self.config, self.layout.shard_size
         if cfg.quantize_weights:
-            return collectives.dequantize_wire(rows, cfg.weight_bits, s).reshape(-1)
+            return kernels.dequantize(rows, cfg.weight_bits, s).reshape(-1)
         return rows.reshape(-1).astype(jnp.float32)
 
     def _reduce(self, flat_grad, residual):
