@@ -152,19 +152,24 @@ def _quantize_kernel(bits, x_ref, c_ref, s_ref):
     s_ref[...] = scales
 
 
-def quantize_4d(x: jax.Array, bits: int, block: int, interpret: bool):
-    """x (A, B, n) -> QuantizedBlocks of (A, B, nb, ...)."""
+def quantize_4d(x: jax.Array, bits: int, block: int, swap: bool, interpret: bool):
+    """x (A, B, n) -> QuantizedBlocks of (B, A, nb, ...) if `swap` else (A, B, nb, ...)."""
     a, b, _ = x.shape
     xb, nb, w = _blocked(x, block, bits)
     r = _rows_per_tile(nb, w * (2 if bits == 4 else 1))
     nbp = -(-nb // r) * r
     xb = _pad_axis(xb, 2, nbp)
+    out_lead = (b, a) if swap else (a, b)
     cdtype = jnp.uint8 if bits == 4 else jnp.int8
+
+    def src(i, j, t):
+        return (j, i, t) if swap else (i, j, t)  # grid (i, j) walks the output order
+
     if bits == 4:
-        in_spec = pl.BlockSpec((None, None, r, 2, w), lambda i, j, t: (i, j, t, 0, 0))
+        in_spec = pl.BlockSpec((None, None, r, 2, w), lambda i, j, t: (*src(i, j, t), 0, 0))
     else:
-        in_spec = pl.BlockSpec((None, None, r, w), lambda i, j, t: (i, j, t, 0))
-    grid = (a, b, nbp // r)
+        in_spec = pl.BlockSpec((None, None, r, w), lambda i, j, t: (*src(i, j, t), 0))
+    grid = (out_lead[0], out_lead[1], nbp // r)
     codes, scales = _call(
         functools.partial(_quantize_kernel, bits),
         grid,
@@ -174,8 +179,8 @@ def quantize_4d(x: jax.Array, bits: int, block: int, interpret: bool):
             pl.BlockSpec((None, None, r), lambda i, j, t: (i, j, t)),
         ],
         [
-            jax.ShapeDtypeStruct((a, b, nbp, w), cdtype),
-            jax.ShapeDtypeStruct((a, b, nbp), jnp.float32),
+            jax.ShapeDtypeStruct((*out_lead, nbp, w), cdtype),
+            jax.ShapeDtypeStruct((*out_lead, nbp), jnp.float32),
         ],
         interpret,
     )(xb)
@@ -186,10 +191,16 @@ def quantize_4d(x: jax.Array, bits: int, block: int, interpret: bool):
 def quantize(x: jax.Array, bits: int, block_size: int, interpret: bool) -> QuantizedBlocks:
     lead = x.shape[:-1]
     block = quant.effective_block_size(x.shape[-1], block_size, bits)
-    q = quantize_4d(x.reshape(1, math.prod(lead), x.shape[-1]), bits, block, interpret)
+    q = quantize_4d(x.reshape(1, math.prod(lead), x.shape[-1]), bits, block, False, interpret)
     return QuantizedBlocks(
         q.codes.reshape(*lead, *q.codes.shape[2:]), q.scales.reshape(*lead, q.scales.shape[-1])
     )
+
+
+def quantize_reordered(full, nodes, local, bits, block_size, interpret) -> QuantizedBlocks:
+    s = full.shape[-1] // (nodes * local)
+    block = quant.effective_block_size(s, block_size, bits)
+    return quantize_4d(full.reshape(nodes, local, s), bits, block, True, interpret)
 
 
 # -- dequantize ----------------------------------------------------------------

@@ -89,6 +89,24 @@ def test_dequantize_sum_quantize_bitwise(k, size, block, bits, with_residual, sp
     _same(ref[0], quant.quantize(total, bits, eb))
 
 
+@SETTINGS
+@given(
+    shape=st.sampled_from([(1, 8), (2, 4), (4, 2), (8, 1), (2, 2)]),
+    s=st.integers(1, 700),
+    block=blocks,
+    bits=st.sampled_from([4, 8]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 999),
+)
+def test_quantize_reordered_bitwise(shape, s, block, bits, dtype, seed):
+    nodes, local = shape
+    full = _data(seed, (nodes * local * s,), dtype, True)
+    q = pk.quantize_reordered(full, nodes, local, bits, block, interpret=True)
+    rows = full.reshape(nodes, local, s).swapaxes(0, 1)
+    _same(q, quant.quantize(rows, bits, block))
+    assert q.codes.shape[:2] == (local, nodes)
+
+
 def test_aligned_multi_tile_sizes():
     # Sizes that are multiples of the tile (no padding path) and several tiles long.
     x = _data(7, (3, 256 * 96), jnp.bfloat16, True)
@@ -119,6 +137,10 @@ OPS = {
     "dequantize_sum_quantize": (
         lambda q, r: pk.dequantize_sum_quantize(q, 4, 512, r),
         lambda: (quant.quantize(jnp.ones((4, 2, 512)), 4, 64), jnp.zeros((2, 512))),
+    ),
+    "quantize_reordered": (
+        lambda x: pk.quantize_reordered(x, 2, 4, 4, 64),
+        lambda: (jnp.ones((8 * 512,)),),
     ),
 }
 

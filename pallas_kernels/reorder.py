@@ -1,0 +1,51 @@
+"""Quantization with the gradient slice reordering of qgZ fused in."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from pallas_kernels import _reference, _triton
+from pallas_kernels._dispatch import by_platform
+from zpp_jax import quant
+from zpp_jax.quant import QuantizedBlocks
+
+
+def quantize_reordered(
+    full: jax.Array,
+    nodes: int,
+    local: int,
+    bits: int,
+    block_size: int,
+    *,
+    interpret: bool = False,
+) -> QuantizedBlocks:
+    """Quantize a full gradient (nodes*local*s,) straight into the order the
+    intra-node all-to-all sends it: blocks ``(local, nodes, nb, c)``, row
+    [l, n] = chunk n*local + l, each chunk quantized in its own blocks.
+
+    Equals ``quantize(full.reshape(nodes, local, s).swapaxes(0, 1))``; the
+    kernel reads each chunk where it lies, so the reordered copy is never made.
+    """
+    quant.check_float(full.dtype, "quantize_reordered")
+    quant.check_block_size(block_size, bits)
+    if full.ndim != 1 or full.shape[0] % (nodes * local):
+        raise ValueError(
+            f"quantize_reordered needs a 1-D vector whose length is a multiple of "
+            f"{nodes * local}, got shape {full.shape}"
+        )
+    return by_platform(
+        functools.partial(
+            _triton.quantize_reordered, nodes=nodes, local=local, bits=bits, block_size=block_size
+        ),
+        functools.partial(
+            _reference.quantize_reordered,
+            nodes=nodes,
+            local=local,
+            bits=bits,
+            block_size=block_size,
+        ),
+        interpret,
+        full,
+    )
