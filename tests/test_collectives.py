@@ -4,10 +4,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from zpp_jax import AXES, SHARD_AXES, collectives, make_mesh, mesh_shape, quant
+from zpp_jax import AXES, collectives, make_mesh, mesh_shape, quant
 from zpp_jax.report import collectives_in_hlo
-
-SHARD = P(SHARD_AXES)  # primary shards: local-major
 
 
 def _smap(mesh, f, in_specs, out_specs):
@@ -27,11 +25,11 @@ def _steps(x, bits, block):
 def test_all_gather_exact(mesh, s):
     n = mesh.devices.size
     x = jax.random.normal(jax.random.key(s), (n * s,))
-    f = _smap(mesh, lambda sh: collectives.all_gather(sh)[None], SHARD, P(AXES))
+    f = _smap(mesh, lambda sh: collectives.all_gather(sh)[None], P(AXES), P(AXES))
     out = np.asarray(f(x)).reshape(n, n * s)
     for row in out:
         np.testing.assert_array_equal(row, np.asarray(x))
-    g = _smap(mesh, lambda sh: collectives.all_gather(sh, jnp.bfloat16)[None], SHARD, P(AXES))
+    g = _smap(mesh, lambda sh: collectives.all_gather(sh, jnp.bfloat16)[None], P(AXES), P(AXES))
     np.testing.assert_array_equal(
         np.asarray(g(x)).reshape(n, -1)[3], np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32))
     )
@@ -42,7 +40,9 @@ def test_all_gather_exact(mesh, s):
 def test_quantized_all_gather_within_half_step(mesh, bits, s):
     n = mesh.devices.size
     x = 5 * jax.random.normal(jax.random.key(s), (n * s,))
-    f = _smap(mesh, lambda sh: collectives.quantized_all_gather(sh, bits, 64)[None], SHARD, P(AXES))
+    f = _smap(
+        mesh, lambda sh: collectives.quantized_all_gather(sh, bits, 64)[None], P(AXES), P(AXES)
+    )
     out = np.asarray(f(x)).reshape(n, n * s)
     step = _steps(np.asarray(x).reshape(n, s), bits, 64).reshape(-1)
     for row in out:  # every device sees the same weights
@@ -61,7 +61,7 @@ def _per_device_full(mesh, s, seed=0, scale_by_device=True):
 def test_reduce_scatter_is_the_mean(mesh):
     s = 37
     g = _per_device_full(mesh, s)
-    f = _smap(mesh, lambda full: collectives.reduce_scatter(full[0]), P(AXES, None), SHARD)
+    f = _smap(mesh, lambda full: collectives.reduce_scatter(full[0]), P(AXES, None), P(AXES))
     np.testing.assert_allclose(np.asarray(f(g)), np.asarray(g).mean(0), rtol=1e-6, atol=1e-6)
 
 
@@ -72,7 +72,7 @@ def _hier(mesh, bits, block, residual=False):
         )
         return out, (new[None] if residual else res)
 
-    return _smap(mesh, f, (P(AXES, None), P(AXES, None)), (SHARD, P(AXES, None)))
+    return _smap(mesh, f, (P(AXES, None), P(AXES, None)), (P(AXES), P(AXES, None)))
 
 
 def _two_rounding_bound(g, nodes, local, bits, block):
@@ -80,14 +80,14 @@ def _two_rounding_bound(g, nodes, local, bits, block):
     element goes through, recomputed with the reference numerics."""
     n, full = g.shape
     s = full // n
-    rows = g.reshape(nodes, local, local, nodes, s)  # [n, l', l, m, i]: chunk l*nodes + m
+    rows = g.reshape(nodes, local, nodes, local, s).transpose(0, 1, 3, 2, 4)  # [n, l', l, m, i]
     step1 = _steps(rows, bits, block)  # quantized on device (n, l'), chunk for peer l, node m
     deq1 = np.asarray(quant.dequantize(quant.quantize(jnp.asarray(rows), bits, block), bits, s))
     partial = deq1.sum(axis=1)  # on device (n, l): [n, l, m, i]
     step2 = _steps(partial, bits, block)  # [n, l, m, i]
     b1 = 0.5 * step1.sum(axis=1).reshape(nodes, local, nodes, s).sum(axis=0)  # [l, m, i]
     b2 = 0.5 * step2.sum(axis=0)  # [l, m, i]
-    bound = (b1 + b2).reshape(-1)  # chunk order (l, m): local-major shards
+    bound = (b1 + b2).transpose(1, 0, 2).reshape(-1)  # destination (m, l) order
     return bound / n
 
 
@@ -176,7 +176,7 @@ def test_bf16_wire_is_16_bit_and_accumulates_in_fp32(mesh24):
         mesh24,
         lambda full: collectives.reduce_scatter(full[0], jnp.bfloat16),
         P(AXES, None),
-        SHARD,
+        P(AXES),
     )
     expect = np.asarray(g.astype(jnp.bfloat16).astype(jnp.float32)).sum(0) / n
     np.testing.assert_allclose(np.asarray(f(g)), expect, rtol=1e-6)
@@ -184,7 +184,7 @@ def test_bf16_wire_is_16_bit_and_accumulates_in_fp32(mesh24):
     (c,) = collectives_in_hlo(hlo)
     assert c.kind == "all-to-all" and set(c.dtypes) == {"u16"} and c.result_bytes == n * s * 2
     gather = _smap(
-        mesh24, lambda sh: collectives.all_gather(sh, jnp.bfloat16)[None], SHARD, P(AXES)
+        mesh24, lambda sh: collectives.all_gather(sh, jnp.bfloat16)[None], P(AXES), P(AXES)
     )
     (c,) = collectives_in_hlo(gather.lower(jnp.ones(n * s)).compile().as_text())
     assert c.kind == "all-gather" and c.dtypes == ("u16",) and c.result_bytes == n * s * 2

@@ -7,7 +7,7 @@ from zpp_jax.config import ZeroPPConfig
 from zpp_jax.data import ByteDataset, host_to_global, load_text, stdlib_corpus
 from zpp_jax.distributed import DistributedConfig, node_mesh
 from zpp_jax.layer import ShardedLayer, scan_layers, stack_value_and_grad
-from zpp_jax.mesh import AXES, LOCAL, NODE, SHARD_AXES, make_mesh, mesh_shape
+from zpp_jax.mesh import AXES, LOCAL, NODE, make_mesh, mesh_shape
 from zpp_jax.models.gpt import GPT, GPTConfig, cross_entropy
 from zpp_jax.partition import FlatLayout, shard_params, shard_spec, unshard_params
 from zpp_jax.train import ModelParts, Trainer, TrainState, linen_parts, nnx_parts
@@ -33,7 +33,6 @@ __all__ = [
     "nnx_parts",
     "stdlib_corpus",
     "AXES",
-    "SHARD_AXES",
     "LOCAL",
     "NODE",
     "FlatLayout",

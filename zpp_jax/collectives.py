@@ -4,9 +4,8 @@ Every function here runs *inside* `jax.shard_map` over a mesh built by
 `zpp_jax.make_mesh` (or inside `jax.pmap` with one or both axis names) and
 works on flat 1-D vectors. An axis name that is not bound counts as an axis of
 size 1: under ``jax.pmap(..., axis_name="local")`` the devices form one node.
-A device's primary shard is chunk ``local * node_size + node`` of the full
-vector (local-major, `zpp_jax.mesh.SHARD_AXES`), which is exactly how a 1-D
-array sharded ``P(("local", "node"))`` (`zpp_jax.shard_spec()`) is laid out.
+A device's primary shard is chunk ``node * local_size + local`` of the full
+vector (node-major), which is exactly how a 1-D array sharded ``P(("node", "local"))`` is laid out.
 
 Byte counts below are per device, with N = nodes x local devices, a full
 vector of N*s elements and a shard of s elements.
@@ -20,7 +19,7 @@ from jax import lax
 
 import pallas_kernels as kernels
 from zpp_jax import quant
-from zpp_jax.mesh import AXES, LOCAL, NODE, SHARD_AXES
+from zpp_jax.mesh import AXES, LOCAL, NODE
 
 
 def axis_sizes() -> tuple[int, int]:
@@ -44,12 +43,6 @@ def bound_axes() -> tuple[str, ...]:
     return axes
 
 
-def shard_axes() -> tuple[str, ...]:
-    """The engine's axis names bound here, in primary-shard order (local
-    first): a collective over them orders chunks as the shards are laid out."""
-    return tuple(a for a in SHARD_AXES if a in bound_axes())
-
-
 def _size(name: str, check: bool = True) -> int:
     try:
         return lax.axis_size(name)
@@ -68,7 +61,7 @@ def gather_rows(shard: jax.Array, comm_dtype=None, axes=None) -> jax.Array:
     collective and send the wide dtype instead.
     """
     wire = shard if comm_dtype is None else shard.astype(comm_dtype)
-    axes = shard_axes() if axes is None else axes
+    axes = bound_axes() if axes is None else axes
     return from_bits(lax.all_gather(to_bits(wire), axes), wire.dtype)
 
 
@@ -81,14 +74,15 @@ def all_gather(shard: jax.Array, comm_dtype=None) -> jax.Array:
     return gather_rows(shard, comm_dtype).reshape(-1).astype(shard.dtype)
 
 
-def gather_over(x, axis: str):
+def gather_over(x, axis: str, position: int = 0):
     """`x` (an array or a pytree of arrays, e.g. `quant.QuantizedBlocks`) of
-    every device along one mesh axis, stacked: (size, *shape) per array. An
-    unbound axis or one of size 1 moves nothing. Send raw bits (`to_bits`)
-    for narrow floats, so XLA cannot widen the wire."""
+    every device along one mesh axis, stacked along a new axis at `position`
+    of each array: (size, *shape) by default. An unbound axis or one of size
+    1 moves nothing. Send raw bits (`to_bits`) for narrow floats, so XLA
+    cannot widen the wire."""
     if _size(axis, check=False) <= 1:
-        return jax.tree.map(lambda a: a[None], x)
-    return jax.tree.map(lambda a: lax.all_gather(a, axis), x)
+        return jax.tree.map(lambda a: jnp.expand_dims(a, position), x)
+    return jax.tree.map(lambda a: lax.all_gather(a, axis, axis=position), x)
 
 
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
@@ -123,7 +117,7 @@ def quantized_gather(shard: jax.Array, bits: int, block_size: int) -> quant.Quan
     weight is a plain slice (from codes and scales interleaved per block it
     cost XLA:CPU 13x more).
     """
-    axes = shard_axes()
+    axes = bound_axes()
     return jax.tree.map(
         lambda a: lax.all_gather(a, axes), kernels.quantize(shard, bits, block_size)
     )
@@ -150,12 +144,12 @@ def reduce_scatter(full: jax.Array, comm_dtype=None) -> jax.Array:
     """
     if comm_dtype is None or jnp.dtype(comm_dtype) == jnp.float32:
         summed = lax.psum_scatter(
-            full.astype(jnp.float32), shard_axes(), scatter_dimension=0, tiled=True
+            full.astype(jnp.float32), bound_axes(), scatter_dimension=0, tiled=True
         )
         return _mean(summed)
     nodes, local = axis_sizes()
     rows = to_bits(full.astype(comm_dtype).reshape(nodes * local, -1))
-    received = from_bits(lax.all_to_all(rows, shard_axes(), 0, 0, tiled=True), comm_dtype)
+    received = from_bits(lax.all_to_all(rows, bound_axes(), 0, 0, tiled=True), comm_dtype)
     # Row by row, left to right: one fused elementwise pass. (XLA:CPU runs
     # jnp.sum over the leading axis as a strided reduction, 30x slower.)
     total = received[0].astype(jnp.float32)
@@ -186,9 +180,9 @@ def hierarchical_reduce_scatter(
     """qgZ: quantized hierarchical reduction of `full` (N*s,) to this device's
     shard (s,) of the mean over all N devices, in fp32.
 
-    Steps: quantize (each chunk of s elements has its own blocks; with
-    local-major shards the chunks each local peer reduces are already
-    contiguous); all-to-all over `local`; one fused kernel dequantizes what
+    Steps: quantize with the slice reordering fused in (the chunks each local
+    peer reduces become contiguous; each chunk of s elements has its own
+    blocks); all-to-all over `local`; one fused kernel dequantizes what
     arrived, sums it in fp32 and requantizes it with the same blocks;
     all-to-all over `node` on 1/local of the data; dequantize and sum in fp32.
     A step over an axis of size 1 moves nothing and is skipped, quantization
@@ -223,13 +217,12 @@ def hierarchical_reduce_scatter(
         r_node = residual[n * s :].reshape(nodes, s).astype(jnp.float32)
 
     if local > 1:
-        # Row [l, m] = chunk l*nodes + m: what local peer l reduces for node m
-        # (local-major shards make it a plain reshape).
-        rows = full.reshape(local, nodes, s)
-        if r_local is not None:
-            rows = rows + r_local
-        q = kernels.quantize(rows, bits, block_size)
-        if r_local is not None:
+        # Row [l, m] = chunk m*local + l: what local peer l reduces for node m.
+        if r_local is None:
+            q = kernels.quantize_reordered(full, nodes, local, bits, block_size)
+        else:
+            rows = full.reshape(nodes, local, s).swapaxes(0, 1) + r_local
+            q = kernels.quantize(rows, bits, block_size)
             r_local = rows - kernels.dequantize(q, bits, s)
         arrived = _all_to_all(q, LOCAL)
         if nodes == 1:

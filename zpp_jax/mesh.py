@@ -11,12 +11,6 @@ from jax.sharding import AxisType, Mesh
 NODE = "node"
 LOCAL = "local"
 AXES = (NODE, LOCAL)
-# Primary shards are laid out local-major: device (node n, local l) holds
-# chunk l * nodes + n of a flat vector. Gathering over `node` and then over
-# `local` (hpZ) and reducing over `local` and then over `node` (qgZ) then
-# produce chunks in order, with no transpose of the gathered weight or of
-# the gradient. Batches stay split node-major over `AXES`.
-SHARD_AXES = (LOCAL, NODE)
 
 
 def make_mesh(

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax import quant
-from zpp_jax.mesh import SHARD_AXES, mesh_shape
+from zpp_jax.mesh import AXES, mesh_shape
 
 PyTree = Any
 
@@ -153,9 +153,8 @@ def quant_float_dtypes():
 
 
 def shard_spec(stacked: bool = False) -> P:
-    """PartitionSpec of a primary-shard array: its flat axis over
-    (`local`, `node`), local-major (see `zpp_jax.mesh.SHARD_AXES`)."""
-    return P(None, SHARD_AXES) if stacked else P(SHARD_AXES)
+    """PartitionSpec of a primary-shard array: its flat axis over (`node`, `local`)."""
+    return P(None, AXES) if stacked else P(AXES)
 
 
 def shard_params(

@@ -30,8 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.layer import ShardedLayer, scan_layers
-from zpp_jax.mesh import AXES, SHARD_AXES, mesh_shape
-from zpp_jax.partition import FlatLayout, shard_params, shard_spec, unshard_params
+from zpp_jax.mesh import AXES, mesh_shape
+from zpp_jax.partition import FlatLayout, shard_params, unshard_params
 
 PyTree = Any
 GROUPS = ("embed", "blocks", "head")
@@ -221,7 +221,7 @@ class Trainer:
         def sharding(leaf):
             shape = getattr(leaf, "shape", ())
             if len(shape) in (1, 2) and shape[-1] % n == 0 and shape[-1] > 0:
-                return NamedSharding(self.mesh, P(*([None] * (len(shape) - 1)), SHARD_AXES))
+                return NamedSharding(self.mesh, P(*([None] * (len(shape) - 1)), AXES))
             return NamedSharding(self.mesh, P())
 
         return jax.tree.map(sharding, state)
@@ -265,7 +265,7 @@ class Trainer:
         return jax.lax.pmean(total / k, AXES), grads, residuals
 
     def _specs(self, residuals):
-        params = {name: shard_spec(stacked=name == "blocks") for name in GROUPS}
+        params = {name: P(None, AXES) if name == "blocks" else P(AXES) for name in GROUPS}
         return params, (None if residuals is None else params)
 
     def _check_batch(self, batch):

@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.layer import ShardedLayer
-from zpp_jax.mesh import AXES, SHARD_AXES
+from zpp_jax.mesh import AXES
 from zpp_jax.models.gpt import GPT
 from zpp_jax.partition import FlatLayout
 
@@ -133,7 +133,7 @@ class TokenPipeline:
     def _specs(self, params: dict) -> dict:
         """`blocks` split over the stages (and, with ZeRO, their flat shards
         over node x local), everything else replicated."""
-        block = P(STAGE, None, SHARD_AXES) if self.zero is not None else P(STAGE)
+        block = P(STAGE, None, AXES) if self.zero is not None else P(STAGE)
         out = {}
         for name, tree in params.items():
             spec = block if name == "blocks" else P()
