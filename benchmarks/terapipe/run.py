@@ -81,9 +81,9 @@ def main(argv=None) -> None:
             sys.exit("profiling failed")
     cost = load_cost(args.cost)
     g = args.granularity
-    calibration = tuple([g] * (args.seq // g))
     if args.seq % g:
         sys.exit(f"--seq {args.seq} is not a multiple of --granularity {g}")
+    calibration = tuple([g] * (args.seq // g))
     (rec,) = _run_pipeline(args, [calibration])
     cost = calibrate_step_overhead(cost, calibration, 2, rec["median_s"])
     save_cost(cost, args.cost)

@@ -135,16 +135,12 @@ def load_cost(path: str | pathlib.Path):
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read a cost model from {path}: {e}") from None
     kind = data.pop("kind", None)
-    if kind == "analytic":
-        return AnalyticCost(**data)
-    if kind == "fitted":
-        slopes = data.get("context_slopes")
-        return FittedCost(
-            layers=data["layers"],
-            base_lengths=tuple(data["base_lengths"]),
-            base_times=tuple(data["base_times"]),
-            coef=tuple(data["coef"]),
-            context_slopes=None if slopes is None else tuple(slopes),
-            step_overhead=float(data.get("step_overhead", 0.0)),
-        )
+    models = {"analytic": AnalyticCost, "fitted": FittedCost}
+    if kind in models:
+        # JSON has lists where the dataclasses hold tuples (hashable, frozen).
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        try:
+            return models[kind](**fields)
+        except TypeError as e:
+            raise ValueError(f"{path}: not a {kind} cost model: {e}") from None
     raise ValueError(f"{path}: unknown cost model kind {kind!r} (analytic or fitted)")
