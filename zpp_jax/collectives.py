@@ -74,15 +74,14 @@ def all_gather(shard: jax.Array, comm_dtype=None) -> jax.Array:
     return gather_rows(shard, comm_dtype).reshape(-1).astype(shard.dtype)
 
 
-def gather_over(x, axis: str, position: int = 0):
+def gather_over(x, axis: str):
     """`x` (an array or a pytree of arrays, e.g. `quant.QuantizedBlocks`) of
-    every device along one mesh axis, stacked along a new axis at `position`
-    of each array: (size, *shape) by default. An unbound axis or one of size
-    1 moves nothing. Send raw bits (`to_bits`) for narrow floats, so XLA
-    cannot widen the wire."""
+    every device along one mesh axis, stacked: (size, *shape) per array. An
+    unbound axis or one of size 1 moves nothing. Send raw bits (`to_bits`)
+    for narrow floats, so XLA cannot widen the wire."""
     if _size(axis, check=False) <= 1:
-        return jax.tree.map(lambda a: jnp.expand_dims(a, position), x)
-    return jax.tree.map(lambda a: lax.all_gather(a, axis, axis=position), x)
+        return jax.tree.map(lambda a: a[None], x)
+    return jax.tree.map(lambda a: lax.all_gather(a, axis), x)
 
 
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
