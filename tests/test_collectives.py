@@ -188,3 +188,39 @@ def test_bf16_wire_is_16_bit_and_accumulates_in_fp32(mesh24):
     )
     (c,) = collectives_in_hlo(gather.lower(jnp.ones(n * s)).compile().as_text())
     assert c.kind == "all-gather" and c.dtypes == ("u16",) and c.result_bytes == n * s * 2
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (1, 8), (8, 1)])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_hierarchical_from_quantized_blocks_is_bit_identical(shape, bits):
+    mesh, block = make_mesh(*shape), 32
+    g = _per_device_full(mesh, 96)
+
+    def f(full):
+        blocks = quant.quantize(full[0], bits, block)
+        return collectives.hierarchical_reduce_scatter(blocks, bits, block)[0]
+
+    from_blocks = _smap(mesh, f, P(AXES, None), P(AXES))(g)
+    from_fp32 = _hier(mesh, bits, block)(g, jnp.zeros((8, 1)))[0]
+    np.testing.assert_array_equal(np.asarray(from_blocks), np.asarray(from_fp32))
+
+
+def test_hierarchical_rejects_bad_quantized_blocks(mesh24):
+    def call(codes_shape, nb, residual=None):
+        blocks = quant.QuantizedBlocks(jnp.zeros(codes_shape, jnp.uint8), jnp.zeros(nb))
+        f = _smap(
+            mesh24,
+            lambda r: collectives.hierarchical_reduce_scatter(
+                blocks, 4, 32, None if residual is None else r
+            )[0],
+            P(),
+            P(AXES),
+        )
+        return f(jnp.zeros(collectives.residual_size(32, 2, 4)))
+
+    with pytest.raises(ValueError, match="N = 8 devices"):
+        call((12, 16), 12)
+    with pytest.raises(ValueError, match=r"expected \(16, 16\)"):
+        call((16, 32), 16)
+    with pytest.raises(ValueError, match="error feedback needs the fp32 gradient"):
+        call((16, 16), 16, residual=True)

@@ -171,7 +171,7 @@ def residual_size(shard_size: int, nodes: int, local: int) -> int:
 
 
 def hierarchical_reduce_scatter(
-    full: jax.Array,
+    full: jax.Array | quant.QuantizedBlocks,
     bits: int,
     block_size: int,
     residual: jax.Array | None = None,
@@ -196,16 +196,43 @@ def hierarchical_reduce_scatter(
     each quantization is added back before the same quantization next call
     (error feedback); returns the updated residual in the residual's dtype,
     else None.
+
+    `full` may also be given already quantized, as the blocks of
+    ``quantize(full, bits, block_size)`` (codes (N*nb, ...), scales (N*nb,);
+    block_size must divide s): for example quantized tensor by tensor, as
+    `ShardedLayer` does, so that the fp32 vector is never assembled. The
+    result is bit-identical. Not with `residual`, which needs the fp32 values.
     """
     nodes, local = axis_sizes()
     n = nodes * local
-    if full.ndim != 1 or full.shape[0] % n:
-        raise ValueError(
-            "hierarchical_reduce_scatter needs a 1-D vector whose length is a multiple of "
-            f"the {n} devices, got shape {full.shape}"
-        )
-    s = full.shape[0] // n
-    full = full.astype(jnp.float32)
+    blocks = None
+    if isinstance(full, quant.QuantizedBlocks):
+        blocks = full
+        nb_total = blocks.scales.shape[0]
+        if blocks.scales.ndim != 1 or nb_total % n:
+            raise ValueError(
+                "hierarchical_reduce_scatter needs quantized blocks of the whole vector, "
+                f"scales of shape (N*nb,) with N = {n} devices, got {blocks.scales.shape}"
+            )
+        if residual is not None:
+            raise ValueError(
+                "error feedback needs the fp32 gradient: pass `full` unquantized with a residual"
+            )
+        codes_shape = (nb_total, block_size * bits // 8)
+        if blocks.codes.shape != codes_shape:
+            raise ValueError(
+                f"quantized blocks have codes of shape {blocks.codes.shape}, expected "
+                f"{codes_shape} for {bits}-bit blocks of {block_size}"
+            )
+        s = nb_total // n * block_size
+    else:
+        if full.ndim != 1 or full.shape[0] % n:
+            raise ValueError(
+                "hierarchical_reduce_scatter needs a 1-D vector whose length is a multiple of "
+                f"the {n} devices, got shape {full.shape}"
+            )
+        s = full.shape[0] // n
+        full = full.astype(jnp.float32)
     r_local = r_node = None
     if residual is not None:
         if residual.shape != (residual_size(s, nodes, local),):
@@ -217,7 +244,9 @@ def hierarchical_reduce_scatter(
 
     if local > 1:
         # Row [l, m] = chunk m*local + l: what local peer l reduces for node m.
-        if r_local is None:
+        if blocks is not None:
+            q = jax.tree.map(lambda a: _chunk_rows(a, nodes, local).swapaxes(0, 1), blocks)
+        elif r_local is None:
             q = kernels.quantize_reordered(full, nodes, local, bits, block_size)
         else:
             rows = full.reshape(nodes, local, s).swapaxes(0, 1) + r_local
@@ -229,6 +258,8 @@ def hierarchical_reduce_scatter(
                 residual, r_local, r_node
             )
         q, r_node = kernels.dequantize_sum_quantize(arrived, bits, s, r_node)
+    elif blocks is not None:
+        q = jax.tree.map(lambda a: _chunk_rows(a, nodes, 1)[:, 0], blocks)
     else:
         rows = full.reshape(nodes, s)
         if r_node is not None:
@@ -242,6 +273,12 @@ def hierarchical_reduce_scatter(
     else:  # a 1 x 1 mesh: nothing to reduce
         shard = kernels.dequantize(q, bits, s)[0]
     return _mean(shard), _pack_residual(residual, r_local, r_node)
+
+
+def _chunk_rows(a: jax.Array, nodes: int, local: int) -> jax.Array:
+    """Blocks of the whole vector (N*nb, ...) -> (nodes, local, nb, ...): one
+    row per device's chunk (chunk node*local + l, node-major)."""
+    return a.reshape(nodes, local, -1, *a.shape[1:])
 
 
 def _dequantize_sum(q: quant.QuantizedBlocks, bits: int, size: int) -> jax.Array:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as kernels
-from zpp_jax import collectives
+from zpp_jax import collectives, quant
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.mesh import AXES, LOCAL, NODE, mesh_shape
 from zpp_jax.partition import FlatLayout, shard_spec
@@ -157,17 +157,59 @@ class ShardedLayer:
             return kernels.dequantize(rows, cfg.weight_bits, s).reshape(-1)
         return rows.reshape(-1).astype(jnp.float32)
 
-    def _reduce(self, flat_grad, residual):
+    def _reduce(self, grads, residual):
+        """The layer's weight gradient (a pytree) -> this device's shard of
+        the mean over all devices, and the new residual (or None)."""
         cfg = self.config
         if cfg.quantize_gradients:
+            if residual is None and self.layout.align % cfg.grad_block == 0:
+                # Every tensor starts on a block boundary, so the blocks of the
+                # flat vector are the blocks of each tensor (zero blocks in the
+                # gaps): quantizing tensor by tensor gives the same bits without
+                # writing and re-reading the whole fp32 gradient.
+                flat = _quantize_flat_blocks(self.layout, grads, cfg.gradient_bits, cfg.grad_block)
+            else:
+                flat = self.layout.flatten(grads)
             return collectives.hierarchical_reduce_scatter(
-                flat_grad, cfg.gradient_bits, cfg.grad_block, residual
+                flat, cfg.gradient_bits, cfg.grad_block, residual
             )
-        return collectives.reduce_scatter(flat_grad, cfg.comm_dtype), None
+        return collectives.reduce_scatter(self.layout.flatten(grads), cfg.comm_dtype), None
 
     def _run(self, full, x):
         params = self.layout.unflatten(full, self.compute_dtype)
         return self.fn(params, x)
+
+
+def _quantize_flat_blocks(
+    layout: FlatLayout, tree: PyTree, bits: int, block: int
+) -> quant.QuantizedBlocks:
+    """``quantize(layout.flatten(tree), bits, block)`` bit for bit, computed
+    tensor by tensor: codes (N*s/block, ...) and scales (N*s/block,). Needs
+    every leaf offset and the shard size to be multiples of `block`
+    (``layout.align % block == 0``); alignment gaps and padding are zero
+    blocks (scale 0, codes 0), which is what quantizing zeros gives."""
+    codes, scales, end = [], [], 0
+    code_dtype = jnp.uint8 if bits == 4 else jnp.int8
+
+    def zero_blocks(count):
+        codes.append(jnp.zeros((count, block * bits // 8), code_dtype))
+        scales.append(jnp.zeros((count,), jnp.float32))
+
+    for leaf, offset in zip(layout.treedef.flatten_up_to(tree), layout.offsets, strict=True):
+        if offset > end:
+            zero_blocks((offset - end) // block)
+        x = jnp.ravel(leaf).astype(jnp.float32)
+        if x.size == 0:
+            continue
+        count = -(-x.size // block)
+        x = jnp.pad(x, (0, count * block - x.size))
+        q = kernels.quantize(x.reshape(count, block), bits, block)
+        codes.append(q.codes.reshape(count, -1))
+        scales.append(q.scales.reshape(count))
+        end = offset + count * block
+    if layout.padded_size > end:
+        zero_blocks((layout.padded_size - end) // block)
+    return quant.QuantizedBlocks(jnp.concatenate(codes), jnp.concatenate(scales))
 
 
 def _build(layer: ShardedLayer):
@@ -191,7 +233,7 @@ def _build(layer: ShardedLayer):
         params = layer.layout.unflatten(full, layer.compute_dtype)
         _, vjp = jax.vjp(layer.fn, params, x)
         g_params, g_x = vjp(g)
-        shard_grad, new_residual = layer._reduce(layer.layout.flatten(g_params), residual)
+        shard_grad, new_residual = layer._reduce(g_params, residual)
         return shard_grad, new_residual, g_x
 
     apply.defvjp(fwd, bwd)
