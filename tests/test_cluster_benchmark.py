@@ -28,6 +28,19 @@ def test_rates():
         run._rate_bits("fast")
 
 
+def test_node_environment(monkeypatch):
+    run = _load("run.py")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setenv("MALLOC_TOP_PAD_", "12345")
+    env = run.node_env(1)
+    assert "XLA_FLAGS" not in env and env["ZPP_PROCESS_ID"] == "1"
+    assert env["ZPP_LOCAL_CPU_DEVICES"] == "4" and env["ZPP_NUM_PROCESSES"] == "2"
+    assert env["MALLOC_MMAP_THRESHOLD_"] == str(1 << 32)
+    assert env["MALLOC_TOP_PAD_"] == "12345"  # the caller's own setting wins
+    monkeypatch.delenv("MALLOC_TOP_PAD_")
+    assert not any(k.startswith("MALLOC_") for k in run.node_env(0, system_malloc=True))
+
+
 def test_every_method_runs_a_step():
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZPP_")}
     env["ZPP_LOCAL_CPU_DEVICES"] = "8"

@@ -39,7 +39,7 @@ def _parse(argv):
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--dtype", default="float32", help="compute dtype of the model")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per method")
+    p.add_argument("--steps", type=int, default=9, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--link", default=None, help="network interface to count bytes on")
     p.add_argument("--tag", default="", help="copied into every output record")

@@ -10,8 +10,9 @@ binds to the hostname's address), and runs `node.py` in each namespace: two
 `jax.distributed` processes with 4 CPU devices each, a 2 x 4 (node, local)
 mesh. For every rate it prints the median step time of ZeRO-3, ZeRO++ and
 plain `jax.jit`, the bytes that crossed the link per step, and the ratios.
-Everything it created is removed on exit, also on failure or Ctrl-C. Needs root
-(network namespaces and tc).
+The nodes keep large malloc blocks between steps (`MALLOC_ENV`, every method
+alike; `--system-malloc` turns it off). Everything it created is removed on
+exit, also on failure or Ctrl-C. Needs root (network namespaces and tc).
 """
 
 from __future__ import annotations
@@ -115,22 +116,30 @@ MALLOC_ENV = {
 }
 
 
+def node_env(process_id: int, system_malloc: bool = False) -> dict[str, str]:
+    """The environment of node `process_id`: this one without XLA_/JAX_
+    settings (each node sets its own devices), the coordinator of the two
+    processes, and MALLOC_ENV unless `system_malloc` (a MALLOC_ variable set
+    by the caller wins)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    if not system_malloc:
+        env = {**MALLOC_ENV, **env}
+    return dict(
+        env,
+        ZPP_COORDINATOR_ADDRESS=f"{ADDRESSES[0]}:{PORT}",
+        ZPP_NUM_PROCESSES="2",
+        ZPP_PROCESS_ID=str(process_id),
+        ZPP_LOCAL_CPU_DEVICES="4",
+        TF_CPP_MIN_LOG_LEVEL="2",
+    )
+
+
 def run_nodes(node_args: list[str], timeout: float, system_malloc: bool = False) -> list[dict]:
     """Run node.py in both namespaces; the records printed by process 0."""
     procs = []
-    env_base = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-    if not system_malloc:
-        env_base = {**MALLOC_ENV, **env_base}
     try:
         for i, (ns, link) in enumerate(zip(NAMESPACES, LINKS, strict=True)):
-            env = dict(
-                env_base,
-                ZPP_COORDINATOR_ADDRESS=f"{ADDRESSES[0]}:{PORT}",
-                ZPP_NUM_PROCESSES="2",
-                ZPP_PROCESS_ID=str(i),
-                ZPP_LOCAL_CPU_DEVICES="4",
-                TF_CPP_MIN_LOG_LEVEL="2",
-            )
+            env = node_env(i, system_malloc)
             cmd = [
                 "ip",
                 "netns",
