@@ -5,7 +5,7 @@ R rows per program. Blocks whose width is not a power of two are padded with
 zeros to one (Triton tiles are powers of two), and the row count to a
 multiple of R; both paddings are copies made only when needed (never for the
 engine's default 256 / 64 blocks on aligned sizes). int4 blocks are handled as
-their two contiguous halves, matching the packing of `zpp_jax.quant`.
+their two contiguous halves, matching the packing of `_reference`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from zpp_jax import quant
-from zpp_jax.quant import QuantizedBlocks
+from pallas_kernels import _reference as ref
+from pallas_kernels._reference import QuantizedBlocks
 
 _TILE_ELEMENTS = 8192
 _NUM_WARPS = 4
@@ -57,7 +57,7 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, interpret):
     )
 
 
-# -- numerics shared by every kernel (identical to zpp_jax.quant) --------------
+# -- numerics shared by every kernel (identical to _reference) -----------------
 
 
 def _round_half_even(y):
@@ -73,14 +73,14 @@ def _round_half_even(y):
 
 def _quantize_parts(parts, bits):
     """fp32 parts of a tile of blocks (each (R, w)) -> float codes per part, scales (R,)."""
-    qmax = float(quant.qmax(bits))
+    qmax = float(ref.qmax(bits))
     absmax = None
     for p in parts:
         # NaN counts as +Inf: max reductions need not propagate NaN, +Inf they keep.
         a = jnp.abs(p)
         m = jnp.max(jnp.where(a < jnp.inf, a, jnp.inf), axis=1)
         absmax = m if absmax is None else jnp.maximum(absmax, m)
-    scales = quant.round_up_16(absmax / qmax)
+    scales = ref.round_up_16(absmax / qmax)
     finite = scales < jnp.inf
     safe = jnp.where((scales == 0) | ~finite, 1.0, scales)
     codes = [
@@ -135,7 +135,7 @@ def _load_parts(ref, halves):
 def _blocked(x: jax.Array, block: int, bits: int) -> tuple[jax.Array, int, int]:
     """(..., n) -> (..., nb, W) or (..., nb, 2, W) with W a power of two."""
     n = x.shape[-1]
-    nb = quant.num_blocks(n, block)
+    nb = ref.num_blocks(n, block)
     x = _pad_axis(x, -1, nb * block).reshape(*x.shape[:-1], nb, block)
     if bits == 4:
         x = x.reshape(*x.shape[:-1], 2, block // 2)
@@ -190,7 +190,7 @@ def quantize_4d(x: jax.Array, bits: int, block: int, swap: bool, interpret: bool
 
 def quantize(x: jax.Array, bits: int, block_size: int, interpret: bool) -> QuantizedBlocks:
     lead = x.shape[:-1]
-    block = quant.effective_block_size(x.shape[-1], block_size, bits)
+    block = ref.effective_block_size(x.shape[-1], block_size, bits)
     q = quantize_4d(x.reshape(1, math.prod(lead), x.shape[-1]), bits, block, False, interpret)
     return QuantizedBlocks(
         q.codes.reshape(*lead, *q.codes.shape[2:]), q.scales.reshape(*lead, q.scales.shape[-1])
@@ -199,7 +199,7 @@ def quantize(x: jax.Array, bits: int, block_size: int, interpret: bool) -> Quant
 
 def quantize_reordered(full, nodes, local, bits, block_size, interpret) -> QuantizedBlocks:
     s = full.shape[-1] // (nodes * local)
-    block = quant.effective_block_size(s, block_size, bits)
+    block = ref.effective_block_size(s, block_size, bits)
     return quantize_4d(full.reshape(nodes, local, s), bits, block, True, interpret)
 
 

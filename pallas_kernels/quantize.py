@@ -8,21 +8,26 @@ import jax
 
 from pallas_kernels import _reference, _triton
 from pallas_kernels._dispatch import by_platform
-from zpp_jax import quant
-from zpp_jax.quant import QuantizedBlocks
+from pallas_kernels._reference import QuantizedBlocks
 
 
 def quantize(
     x: jax.Array, bits: int, block_size: int, *, interpret: bool = False
 ) -> QuantizedBlocks:
-    """Block-quantize `x` along its last axis, exactly as `zpp_jax.quant.quantize`
+    """Block-quantize `x` along its last axis, exactly as the reference `quantize`
     (codes and scales bit for bit).
 
     Reads the input once and writes 1 (int8) or 1/2 (int4) byte per element
     plus 4 bytes per block.
     """
-    quant.check_float(x.dtype, "quantize")
-    quant.check_block_size(block_size, bits)
+    _reference.check_float(x.dtype, "quantize")
+    _reference.check_block_size(block_size, bits)
+    return _quantize(x, bits, block_size, interpret)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _quantize(x, bits, block_size, interpret):
+    # Under jit, tracing both backends happens once per shape, not per call.
     return by_platform(
         functools.partial(_triton.quantize, bits=bits, block_size=block_size),
         functools.partial(_reference.quantize, bits=bits, block_size=block_size),

@@ -8,8 +8,7 @@ import jax
 
 from pallas_kernels import _reference, _triton
 from pallas_kernels._dispatch import by_platform
-from zpp_jax import quant
-from zpp_jax.quant import QuantizedBlocks
+from pallas_kernels._reference import QuantizedBlocks
 
 
 def quantize_reordered(
@@ -28,13 +27,19 @@ def quantize_reordered(
     Equals ``quantize(full.reshape(nodes, local, s).swapaxes(0, 1))``; the
     kernel reads each chunk where it lies, so the reordered copy is never made.
     """
-    quant.check_float(full.dtype, "quantize_reordered")
-    quant.check_block_size(block_size, bits)
+    _reference.check_float(full.dtype, "quantize_reordered")
+    _reference.check_block_size(block_size, bits)
     if full.ndim != 1 or full.shape[0] % (nodes * local):
         raise ValueError(
             f"quantize_reordered needs a 1-D vector whose length is a multiple of "
             f"{nodes * local}, got shape {full.shape}"
         )
+    return _quantize_reordered(full, nodes, local, bits, block_size, interpret)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _quantize_reordered(full, nodes, local, bits, block_size, interpret):
+    # Under jit, tracing both backends happens once per shape, not per call.
     return by_platform(
         functools.partial(
             _triton.quantize_reordered, nodes=nodes, local=local, bits=bits, block_size=block_size

@@ -4,12 +4,13 @@ requantize."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from pallas_kernels import _reference, _triton
 from pallas_kernels._dispatch import by_platform
-from zpp_jax import quant
-from zpp_jax.quant import QuantizedBlocks
+from pallas_kernels._reference import QuantizedBlocks
 
 
 def dequantize_sum_quantize(
@@ -28,7 +29,13 @@ def dequantize_sum_quantize(
     One pass: reads k x (codes + scales) and the residual, writes one set of
     codes + scales and the residual; the fp32 sum never leaves the chip.
     """
-    quant.check_bits(bits)
+    _reference.check_bits(bits)
+    return _dequantize_sum_quantize(q, residual, bits, size, interpret)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _dequantize_sum_quantize(q, residual, bits, size, interpret):
+    # Under jit, tracing both backends happens once per shape, not per call.
     return by_platform(
         lambda q, residual, interpret: _triton.dequantize_sum_quantize(
             q, bits, size, residual, interpret

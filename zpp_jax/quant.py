@@ -1,185 +1,49 @@
-"""Block quantization, the plain-JAX reference.
+"""What block quantization means for the engine: the ops it calls, and the
+wire format of a quantized tensor.
 
-The numerics, defined exactly so that every kernel backend (see
-`pallas_kernels/`) can match them bit for bit:
+The numerics (symmetric absmax blocks, fp32 scales rounded to 16 significant
+bits, int4 packed two per byte, non-finite blocks dequantizing to NaN) are
+defined by `pallas_kernels`, whose ops run the Pallas kernels on NVIDIA GPUs
+and the bit-identical plain-JAX reference elsewhere. This module re-exports
+them under the names the engine uses.
 
-* The input is cast to fp32 and cut along its last axis into blocks of `block`
-  elements; the last block is padded with zeros (padding never changes a
-  block's absmax, and it is dropped again by `dequantize`).
-* Per block: ``absmax = max(|x|)``, ``scale = round_up_16(absmax / qmax)``
-  in fp32 with ``qmax = 2**(bits-1) - 1`` (127 for int8, 7 for int4:
-  symmetric, no zero point, the code -2**(bits-1) is never produced).
-  ``round_up_16`` rounds the fp32 scale up to 16 significant bits (clears the
-  low 8 mantissa bits, rounding away from zero). Then every ``code * scale``
-  is exact in fp32, so dequantization, sums of dequantized values and the
-  error-feedback residual round identically whether or not a compiler fuses
-  the multiply into an add (FMA): kernels match the reference bit for bit on
-  any backend.
-* ``code = clip(round_half_to_even(x / scale), -qmax, qmax)`` with an IEEE fp32
-  division. An all-zero block has ``scale = 0`` and codes 0, and dequantizes to
-  exact zeros (never NaN).
-* A block holding NaN or +-Inf gets scale +Inf and codes 0, so every
-  element of it dequantizes to NaN: a non-finite gradient can never turn into a
-  silently wrong finite value.
-* int4 codes are packed two per byte (uint8) within each block of b elements:
-  byte j holds element j in its low nibble and element j + b/2 in its high
-  nibble, two's complement. (Two contiguous halves, so a kernel reads and
-  writes each half with unit stride.) Blocks are even-sized for int4, so a
-  byte never straddles two blocks.
-* ``dequantize = code * scale`` in fp32, then cast to the requested dtype.
-
-The error of a finite element is at most half a step, ``scale / 2`` (plus fp32
-round-off of the division).
+Wire format: a quantized tensor travels as two collectives, one of the codes
+(1 byte per element for int8, 1/2 for int4) and one of the fp32 scales (4
+bytes per block). `wire_bytes` counts both.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from pallas_kernels import (
+    FLOAT_DTYPES,
+    SUPPORTED_BITS,
+    QuantizedBlocks,
+    dequantize,
+    effective_block_size,
+    num_blocks,
+    pack_int4,
+    qmax,
+    quantize,
+    unpack_int4,
+)
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-SUPPORTED_BITS = (4, 8)
-FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
-class QuantizedBlocks(NamedTuple):
-    """Codes and scales of a block-quantized array.
-
-    codes: int8 ``(..., nblocks, block)`` for 8 bits, uint8
-      ``(..., nblocks, block // 2)`` for 4 bits (two codes per byte).
-    scales: fp32 ``(..., nblocks)``.
-    """
-
-    codes: jax.Array
-    scales: jax.Array
-
-
-def qmax(bits: int) -> int:
-    """Largest code magnitude for a bit width (127 or 7)."""
-    check_bits(bits)
-    return 2 ** (bits - 1) - 1
-
-
-def check_bits(bits: int) -> None:
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits={bits!r} is not supported; use one of {SUPPORTED_BITS}")
-
-
-def check_block_size(block_size: int, bits: int) -> None:
-    if not isinstance(block_size, (int, np.integer)) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    if bits == 4 and block_size % 2:
-        raise ValueError(
-            f"block_size={block_size} is odd; 4-bit codes are packed two per byte "
-            "within a block, so use an even block_size"
-        )
-
-
-def effective_block_size(n: int, block_size: int, bits: int) -> int:
-    """The block size actually used for an axis of `n` elements.
-
-    An axis shorter than one block is quantized as a single block of its own
-    length (rounded up to even for int4): the same absmax, the same codes, fewer
-    padding bytes on the wire.
-    """
-    check_bits(bits)
-    check_block_size(block_size, bits)
-    if n >= block_size:
-        return int(block_size)
-    return int(n + (n % 2)) if bits == 4 else max(int(n), 1)
-
-
-def num_blocks(n: int, block: int) -> int:
-    return -(-n // block)
-
-
-def quantize(x: jax.Array, bits: int, block_size: int) -> QuantizedBlocks:
-    """Block-quantize `x` along its last axis (see the module docstring).
-
-    Accepts fp32, bf16 and fp16, any length. Output bytes per element: 1 (int8)
-    or 1/2 (int4), plus 4 bytes of scale per block.
-    """
-    check_float(x.dtype, "quantize")
-    n = x.shape[-1]
-    block = effective_block_size(n, block_size, bits)
-    nb = num_blocks(n, block)
-    xf = x.astype(jnp.float32)
-    pad = nb * block - n
-    if pad:
-        xf = jnp.pad(xf, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-    xf = xf.reshape(*x.shape[:-1], nb, block)
-    absmax = jnp.max(_magnitude(xf), axis=-1)
-    scales = round_up_16(absmax / jnp.float32(qmax(bits)))
-    finite = scales < jnp.inf
-    safe = jnp.where((scales == 0) | ~finite, jnp.float32(1), scales)
-    q = jnp.clip(jnp.round(xf / safe[..., None]), -qmax(bits), qmax(bits))
-    codes = jnp.where(finite[..., None], q, 0).astype(jnp.int8)
-    if bits == 4:
-        codes = pack_int4(codes)
-    return QuantizedBlocks(codes, scales)
-
-
-def _magnitude(x: jax.Array) -> jax.Array:
-    # |x|, with NaN counted as +Inf. A max reduction need not propagate NaN
-    # (XLA:CPU's vectorized one does not), but it always keeps +Inf, so one
-    # reduction finds both the absmax and any non-finite element (a separate
-    # any(isnan) pass cost 4x the max on CPU).
-    a = jnp.abs(x)
-    return jnp.where(a < jnp.inf, a, jnp.float32(jnp.inf))
-
-
-def dequantize(
-    q: QuantizedBlocks, bits: int, size: int, dtype: jnp.dtype = jnp.float32
-) -> jax.Array:
-    """Inverse of `quantize`: ``(..., size)`` in `dtype`, padding dropped."""
-    check_bits(bits)
-    codes = unpack_int4(q.codes) if bits == 4 else q.codes
-    x = codes.astype(jnp.float32) * q.scales[..., None]
-    x = x.reshape(*x.shape[:-2], -1)[..., :size]
-    return x.astype(dtype)
-
-
-def round_up_16(scale: jax.Array) -> jax.Array:
-    """Round non-negative fp32 values up to 16 significant bits (Inf and NaN
-    stay as they are; IEEE ordering makes the carry into the exponent right)."""
-    u = jax.lax.bitcast_convert_type(scale, jnp.uint32)
-    u = (u + jnp.uint32(0xFF)) & jnp.uint32(0xFFFFFF00)
-    rounded = jax.lax.bitcast_convert_type(u, jnp.float32)
-    # `< inf` rather than isfinite: the same test inside the Triton kernels.
-    return jnp.where(scale < jnp.inf, rounded, scale)
-
-
-def pack_int4(codes: jax.Array) -> jax.Array:
-    """Pack int8 codes in [-8, 7] of blocks along the last (even) axis -> uint8:
-    byte j = element j (low nibble) | element j + b/2 (high nibble)."""
-    if codes.shape[-1] % 2:
-        raise ValueError(f"pack_int4 needs an even last axis, got shape {codes.shape}")
-    half = codes.shape[-1] // 2
-    u = codes.astype(jnp.uint8) & jnp.uint8(0x0F)
-    return u[..., :half] | (u[..., half:] << jnp.uint8(4))
-
-
-def unpack_int4(packed: jax.Array) -> jax.Array:
-    """Inverse of `pack_int4`: uint8 ``(..., m)`` -> int8 ``(..., 2m)``, sign-extended."""
-    b = packed.astype(jnp.int8)
-    # Shifting left then arithmetic-right sign-extends each nibble.
-    lo = (b << 4) >> 4
-    hi = b >> 4
-    return jnp.concatenate([lo, hi], axis=-1)
+__all__ = [
+    "FLOAT_DTYPES",
+    "SUPPORTED_BITS",
+    "QuantizedBlocks",
+    "dequantize",
+    "effective_block_size",
+    "num_blocks",
+    "pack_int4",
+    "qmax",
+    "quantize",
+    "unpack_int4",
+    "wire_bytes",
+]
 
 
 def wire_bytes(n: int, bits: int, block_size: int) -> int:
-    """Bytes a quantized axis of `n` elements occupies (codes + fp32 scales)."""
+    """Bytes a quantized axis of `n` elements occupies on the wire (codes + fp32 scales)."""
     block = effective_block_size(n, block_size, bits)
     nb = num_blocks(n, block)
     return nb * block * bits // 8 + 4 * nb
-
-
-def check_float(dtype, what: str) -> None:
-    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
-        raise ValueError(
-            f"{what} supports float32, bfloat16 and float16, got {jnp.dtype(dtype).name}; "
-            "cast the array to a floating dtype first"
-        )
