@@ -25,7 +25,7 @@ from zpp_jax import ZeroPPConfig  # noqa: E402
 from zpp_jax.train_gpt import RunConfig, run  # noqa: E402
 
 CONFIGS = {
-    "zero3": ZeroPPConfig.zero3(comm_dtype="bfloat16"),
+    "zero3": ZeroPPConfig.zero3(),
     "zeropp": ZeroPPConfig(comm_dtype="bfloat16"),
     "zeropp+ef": ZeroPPConfig(comm_dtype="bfloat16", error_feedback=True),
 }

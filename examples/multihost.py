@@ -14,27 +14,29 @@ from the same host data in every process, and each process copies only the
 rows of its own devices.
 """
 
-import zpp_jax.distributed as dist
+import zpp_jax as zpp
 
-dist.initialize()  # before anything touches a device
+zpp.initialize()  # before anything touches a device
 
 import jax  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from zpp_jax import Trainer, ZeroPPConfig, nnx_parts  # noqa: E402
-from zpp_jax.data import ByteDataset, host_to_global, stdlib_corpus  # noqa: E402
-from zpp_jax.models.gpt import GPT, GPTConfig  # noqa: E402
-
-mesh = dist.node_mesh()
-cfg = GPTConfig.preset("tiny", dtype="float32")
-trainer = Trainer(
-    nnx_parts(GPT(cfg, nnx.Rngs(0))), optax.adamw(3e-3), mesh, ZeroPPConfig(), compute_dtype=None
+mesh = zpp.node_mesh()
+cfg = zpp.GPTConfig.preset("tiny", dtype="float32")
+trainer = zpp.Trainer(
+    zpp.nnx_parts(zpp.GPT(cfg, nnx.Rngs(0))),
+    optax.adamw(3e-3),
+    mesh,
+    zpp.ZeroPPConfig(),
+    compute_dtype=None,
 )
 state = trainer.init()
-data = ByteDataset(stdlib_corpus(1 << 20), cfg.seq_len)
+data = zpp.ByteDataset(zpp.stdlib_corpus(1 << 20), cfg.seq_len)
 for i in range(5):
-    batch = host_to_global(data.batch("train", i, 2 * mesh.size, seed=0), trainer.batch_sharding())
+    batch = zpp.host_to_global(
+        data.batch("train", i, 2 * mesh.size, seed=0), trainer.batch_sharding()
+    )
     state, metrics = trainer.step(state, batch)
     if jax.process_index() == 0:
         print(

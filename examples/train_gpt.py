@@ -19,7 +19,7 @@ args = parser.parse_args()
 results = {}
 for name, zero in [
     ("ZeRO++", ZeroPPConfig(comm_dtype="bfloat16")),
-    ("ZeRO-3", ZeroPPConfig.zero3(comm_dtype="bfloat16")),
+    ("ZeRO-3", ZeroPPConfig.zero3()),
 ]:
     records = run(RunConfig(zero=zero, steps=args.steps, eval_every=0, progress=False))
     results[name] = records[-1]

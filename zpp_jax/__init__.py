@@ -5,7 +5,8 @@ from zpp_jax import collectives, distributed, pipeline, quant
 from zpp_jax.checkpoint import Checkpointer
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.data import ByteDataset, host_to_global, load_text, stdlib_corpus
-from zpp_jax.distributed import DistributedConfig, node_mesh
+from zpp_jax.distributed import DistributedConfig, initialize, node_mesh
+from zpp_jax.errors import UsageError
 from zpp_jax.layer import ShardedLayer, scan_layers, stack_value_and_grad
 from zpp_jax.mesh import AXES, LOCAL, NODE, make_mesh, mesh_shape
 from zpp_jax.models.gpt import GPT, GPTConfig, cross_entropy
@@ -24,6 +25,8 @@ __all__ = [
     "Trainer",
     "cross_entropy",
     "DistributedConfig",
+    "UsageError",
+    "initialize",
     "distributed",
     "pipeline",
     "host_to_global",

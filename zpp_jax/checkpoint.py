@@ -17,6 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import SingleDeviceSharding
 
+from zpp_jax.errors import UsageError
 from zpp_jax.mesh import mesh_shape
 from zpp_jax.train import GROUPS, Trainer, TrainState
 
@@ -94,7 +95,7 @@ class Checkpointer:
         """
         step = self.latest_step() if step is None else step
         if step is None:
-            raise ValueError(f"no checkpoint found in {self.directory}")
+            raise UsageError(f"no checkpoint found in {self.directory}")
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
             "meta"
         ]
@@ -103,7 +104,7 @@ class Checkpointer:
         for g, layout in trainer.layouts.items():
             saved = meta["layouts"][g]
             if saved["sizes"] != list(layout.sizes):
-                raise ValueError(
+                raise UsageError(
                     f"checkpoint {step} holds a {g} with tensors of {saved['sizes']} elements, "
                     f"the model has {list(layout.sizes)}: it is of another model"
                 )

@@ -7,39 +7,77 @@ import os
 import sys
 import time
 
+from zpp_jax.errors import UsageError
+
 
 def _add_technique_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("ZeRO++ techniques (all on by default)")
-    g.add_argument("--zero3", action="store_true", help="plain ZeRO-3: every technique off")
-    g.add_argument("--no-qwz", action="store_true", help="gather weights unquantized")
-    g.add_argument("--no-hpz", action="store_true", help="no secondary partition")
-    g.add_argument("--no-qgz", action="store_true", help="plain reduce-scatter of gradients")
-    g.add_argument("--weight-bits", type=int, default=8, choices=(4, 8))
-    g.add_argument("--gradient-bits", type=int, default=4, choices=(4, 8))
-    g.add_argument("--error-feedback", action="store_true", help="carry gradient rounding errors")
-    g.add_argument("--block-size", type=int, default=256, help="elements per weight block")
     g.add_argument(
-        "--gradient-block-size", type=int, default=64, help="elements per gradient block"
+        "--zero3",
+        action="store_true",
+        help="the ZeRO-3 baseline: every technique off, bf16 wire (ZeroPPConfig.zero3())",
     )
+    # Defaults are None so that a flag given with --zero3 can be told from
+    # one left alone; ZeroPPConfig holds the real defaults.
+    g.add_argument("--no-qwz", action="store_true", default=None, help="gather weights unquantized")
+    g.add_argument("--no-hpz", action="store_true", default=None, help="no secondary partition")
+    g.add_argument(
+        "--no-qgz", action="store_true", default=None, help="plain reduce-scatter of gradients"
+    )
+    g.add_argument("--weight-bits", type=int, choices=(4, 8), help="default 8")
+    g.add_argument("--gradient-bits", type=int, choices=(4, 8), help="default 4")
+    g.add_argument(
+        "--error-feedback",
+        action="store_true",
+        default=None,
+        help="carry gradient rounding errors",
+    )
+    g.add_argument("--block-size", type=int, help="elements per weight block (default 256)")
+    g.add_argument(
+        "--gradient-block-size", type=int, help="elements per gradient block (default 64)"
+    )
+    g.add_argument(
+        "--comm-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32", "float16"),
+        help="wire dtype of the unquantized collectives (default bfloat16)",
+    )
+
+
+# flag -> (ZeroPPConfig field, value the flag sets)
+_TECHNIQUE_FLAGS = {
+    "no_qwz": ("quantize_weights", False),
+    "no_hpz": ("hpz", False),
+    "no_qgz": ("quantize_gradients", False),
+    "weight_bits": ("weight_bits", None),
+    "gradient_bits": ("gradient_bits", None),
+    "error_feedback": ("error_feedback", True),
+    "block_size": ("block_size", None),
+    "gradient_block_size": ("gradient_block_size", None),
+}
 
 
 def _config_from_args(args):
+    """The ZeroPPConfig the technique flags describe."""
     from zpp_jax.config import ZeroPPConfig
 
+    given = {dest: getattr(args, dest) for dest in _TECHNIQUE_FLAGS}
+    given = {dest: value for dest, value in given.items() if value is not None}
     if args.zero3:
-        return ZeroPPConfig.zero3(
-            block_size=args.block_size, gradient_block_size=args.gradient_block_size
-        )
-    return ZeroPPConfig(
-        quantize_weights=not args.no_qwz,
-        weight_bits=args.weight_bits,
-        hpz=not args.no_hpz,
-        quantize_gradients=not args.no_qgz,
-        gradient_bits=args.gradient_bits,
-        error_feedback=args.error_feedback,
-        block_size=args.block_size,
-        gradient_block_size=args.gradient_block_size,
-    )
+        if given:
+            flags = ", ".join("--" + dest.replace("_", "-") for dest in given)
+            it = "them" if len(given) > 1 else "it"
+            raise UsageError(
+                f"--zero3 turns every ZeRO++ technique off, so {flags} would have no effect; "
+                f"drop {it}, or drop --zero3 and switch techniques off one by one "
+                "(--no-qwz, --no-hpz, --no-qgz)"
+            )
+        return ZeroPPConfig.zero3(comm_dtype=args.comm_dtype)
+    fields = {}
+    for dest, value in given.items():
+        field, sets = _TECHNIQUE_FLAGS[dest]
+        fields[field] = value if sets is None else sets
+    return ZeroPPConfig(comm_dtype=args.comm_dtype, **fields)
 
 
 def _use_emulated_devices(count: int) -> None:
@@ -94,7 +132,7 @@ def _join_job(args) -> None:
     nodes, local = jax.process_count(), jax.local_device_count()
     for name, want, have in (("nodes", args.nodes, nodes), ("local", args.local, local)):
         if want is not None and want != have:
-            raise ValueError(
+            raise UsageError(
                 f"--{name} {want} does not match the job: {nodes} processes x {local} "
                 f"devices each (node = process); drop --{name}"
             )
@@ -105,7 +143,7 @@ def _train(args) -> int:
     _join_job(args)
     from zpp_jax.train_gpt import RunConfig, run
 
-    zero = _config_from_args(args).replace(comm_dtype=args.comm_dtype)
+    zero = _config_from_args(args)
     plot = args.plot
     if plot is None and args.metrics:
         plot = str(args.metrics).rsplit(".", 1)[0] + ".png"
@@ -154,7 +192,7 @@ def _comm(args) -> int:
         model = GPTConfig.preset(args.model, seq_len=args.seq)
     unknown = set(args.configs) - set(DEFAULT_CONFIGS)
     if unknown:
-        raise ValueError(f"unknown configs {sorted(unknown)}; choose from {list(DEFAULT_CONFIGS)}")
+        raise UsageError(f"unknown configs {sorted(unknown)}; choose from {list(DEFAULT_CONFIGS)}")
     configs = {name: DEFAULT_CONFIGS[name] for name in args.configs}
     reports = compare(
         lambda: nnx_parts(GPT(model, nnx.Rngs(0))),
@@ -208,7 +246,7 @@ def _plan(args) -> int:
 
     for name in ("layers", "hidden", "seq", "stages", "batch", "granularity"):
         if getattr(args, name) <= 0:
-            raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
+            raise UsageError(f"--{name} must be positive, got {getattr(args, name)}")
     per_stage = math.ceil(args.layers / args.stages)
     if args.cost:
         cost = load_cost(args.cost)
@@ -310,12 +348,6 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     train.add_argument(
         "--compute-dtype", default="bfloat16", choices=("bfloat16", "float32", "float16")
-    )
-    train.add_argument(
-        "--comm-dtype",
-        default="bfloat16",
-        choices=("bfloat16", "float32", "float16"),
-        help="wire dtype of the unquantized collectives",
     )
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--data", default=None, help="train on this text file instead")
@@ -435,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         code = args.func(args)
-    except ValueError as e:
+    except UsageError as e:  # bad input: one line; anything else keeps its traceback
         print(f"zpp {args.command}: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:

@@ -19,6 +19,7 @@ from jax import lax
 
 import pallas_kernels as kernels
 from zpp_jax import quant
+from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, LOCAL, NODE
 
 
@@ -36,7 +37,7 @@ def bound_axes() -> tuple[str, ...]:
     """The engine's axis names bound here, node first."""
     axes = tuple(a for a in AXES if _size(a, check=False))
     if not axes:
-        raise ValueError(
+        raise UsageError(
             "no 'node' or 'local' axis is bound: call the engine inside jax.shard_map over a "
             "zpp_jax.make_mesh mesh, or inside jax.pmap with axis_name='local'"
         )
@@ -210,24 +211,24 @@ def hierarchical_reduce_scatter(
         blocks = full
         nb_total = blocks.scales.shape[0]
         if blocks.scales.ndim != 1 or nb_total % n:
-            raise ValueError(
+            raise UsageError(
                 "hierarchical_reduce_scatter needs quantized blocks of the whole vector, "
                 f"scales of shape (N*nb,) with N = {n} devices, got {blocks.scales.shape}"
             )
         if residual is not None:
-            raise ValueError(
+            raise UsageError(
                 "error feedback needs the fp32 gradient: pass `full` unquantized with a residual"
             )
         codes_shape = (nb_total, block_size * bits // 8)
         if blocks.codes.shape != codes_shape:
-            raise ValueError(
+            raise UsageError(
                 f"quantized blocks have codes of shape {blocks.codes.shape}, expected "
                 f"{codes_shape} for {bits}-bit blocks of {block_size}"
             )
         s = nb_total // n * block_size
     else:
         if full.ndim != 1 or full.shape[0] % n:
-            raise ValueError(
+            raise UsageError(
                 "hierarchical_reduce_scatter needs a 1-D vector whose length is a multiple of "
                 f"the {n} devices, got shape {full.shape}"
             )
@@ -236,7 +237,7 @@ def hierarchical_reduce_scatter(
     r_local = r_node = None
     if residual is not None:
         if residual.shape != (residual_size(s, nodes, local),):
-            raise ValueError(
+            raise UsageError(
                 f"residual has shape {residual.shape}, expected ({residual_size(s, nodes, local)},)"
             )
         r_local = residual[: n * s].reshape(local, nodes, s).astype(jnp.float32)

@@ -25,9 +25,9 @@ from zpp_jax.report import summarize
 from zpp_jax.train import GROUPS, Trainer
 
 DEFAULT_CONFIGS = {
-    "zero3": ZeroPPConfig.zero3(comm_dtype="bfloat16"),
+    "zero3": ZeroPPConfig.zero3(),
     "qwz": ZeroPPConfig(comm_dtype="bfloat16", hpz=False, quantize_gradients=False),
-    "hpz": ZeroPPConfig.zero3(comm_dtype="bfloat16", hpz=True),
+    "hpz": ZeroPPConfig.zero3(hpz=True),
     "qgz": ZeroPPConfig(comm_dtype="bfloat16", quantize_weights=False, hpz=False),
     "zeropp": ZeroPPConfig(comm_dtype="bfloat16"),
 }

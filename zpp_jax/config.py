@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from zpp_jax.errors import UsageError
+
 _SUPPORTED_WEIGHT_BITS = (4, 8)
 _SUPPORTED_GRADIENT_BITS = (4, 8)
 _SUPPORTED_RESIDUAL_DTYPES = ("float32", "bfloat16")
@@ -62,14 +64,14 @@ class ZeroPPConfig:
     def __post_init__(self) -> None:
         for name in ("quantize_weights", "hpz", "quantize_gradients", "error_feedback"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise UsageError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.weight_bits not in _SUPPORTED_WEIGHT_BITS:
-            raise ValueError(
+            raise UsageError(
                 f"weight_bits={self.weight_bits!r} is not supported; use one of "
                 f"{_SUPPORTED_WEIGHT_BITS}"
             )
         if self.gradient_bits not in _SUPPORTED_GRADIENT_BITS:
-            raise ValueError(
+            raise UsageError(
                 f"gradient_bits={self.gradient_bits!r} is not supported; use one of "
                 f"{_SUPPORTED_GRADIENT_BITS}"
             )
@@ -82,17 +84,17 @@ class ZeroPPConfig:
             self.quantize_gradients and self.gradient_bits == 4,
         )
         if self.error_feedback and not self.quantize_gradients:
-            raise ValueError(
+            raise UsageError(
                 "error_feedback=True needs quantize_gradients=True: there is no "
                 "quantization error to feed back otherwise"
             )
         if self.residual_dtype not in _SUPPORTED_RESIDUAL_DTYPES:
-            raise ValueError(
+            raise UsageError(
                 f"residual_dtype={self.residual_dtype!r} is not supported; use one of "
                 f"{_SUPPORTED_RESIDUAL_DTYPES}"
             )
         if self.comm_dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ValueError(
+            raise UsageError(
                 f"comm_dtype={self.comm_dtype!r} is not supported; use None, 'float32', "
                 "'bfloat16' or 'float16'"
             )
@@ -115,8 +117,18 @@ class ZeroPPConfig:
 
     @classmethod
     def zero3(cls, **overrides) -> ZeroPPConfig:
-        """Plain ZeRO-3: every ZeRO++ technique off."""
-        base = dict(quantize_weights=False, hpz=False, quantize_gradients=False)
+        """The ZeRO-3 baseline: every ZeRO++ technique off, weights and
+        gradients on a bf16 wire (``comm_dtype="bfloat16"``), as bf16 training
+        with DeepSpeed ZeRO-3 or FSDP moves them. The one definition of the
+        baseline that `zpp train`, `zpp demo`, `zpp comm` and the benchmarks
+        compare with.
+
+        ``zero3(comm_dtype=None)`` moves the fp32 master values exactly: its
+        gradients equal an unsharded model's to fp32 round-off.
+        """
+        base = dict(
+            quantize_weights=False, hpz=False, quantize_gradients=False, comm_dtype="bfloat16"
+        )
         base.update(overrides)
         return cls(**base)
 
@@ -127,9 +139,9 @@ class ZeroPPConfig:
 
 def _check_block(name: str, value, int4: bool) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        raise UsageError(f"{name} must be a positive int, got {value!r}")
     if int4 and value % 2:
-        raise ValueError(
+        raise UsageError(
             f"{name}={value} is odd, but 4-bit codes are packed two per byte within a "
             f"block; use an even {name}"
         )

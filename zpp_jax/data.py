@@ -9,6 +9,8 @@ import sysconfig
 import jax
 import numpy as np
 
+from zpp_jax.errors import UsageError
+
 VOCAB_SIZE = 256
 
 
@@ -29,7 +31,7 @@ def stdlib_corpus(max_bytes: int = 16 << 20) -> np.ndarray:
         if total >= max_bytes:
             break
     if not chunks:
-        raise ValueError(f"no Python source files found under {root}; pass --data FILE")
+        raise UsageError(f"no Python source files found under {root}; pass --data FILE")
     return np.concatenate(chunks)[:max_bytes]
 
 
@@ -37,7 +39,7 @@ def load_text(path: str | pathlib.Path) -> np.ndarray:
     """The bytes of any file, as tokens."""
     data = pathlib.Path(path).read_bytes()
     if not data:
-        raise ValueError(f"{path} is empty")
+        raise UsageError(f"{path} is empty")
     return np.frombuffer(data, np.uint8)
 
 
@@ -51,13 +53,13 @@ class ByteDataset:
 
     def __init__(self, tokens: np.ndarray, seq_len: int, val_fraction: float = 0.05):
         if not 0 < val_fraction < 1:
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+            raise UsageError(f"val_fraction must be in (0, 1), got {val_fraction}")
         split = int(len(tokens) * (1 - val_fraction))
         self.seq_len = seq_len
         self.splits = {"train": tokens[:split], "val": tokens[split:]}
         for name, toks in self.splits.items():
             if len(toks) <= seq_len + 1:
-                raise ValueError(
+                raise UsageError(
                     f"the {name} split has {len(toks)} tokens, too few for seq_len={seq_len}; "
                     "use more text or a shorter sequence"
                 )

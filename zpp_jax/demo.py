@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
+from zpp_jax.errors import UsageError
 from zpp_jax.layer import ShardedLayer, stack_value_and_grad
 from zpp_jax.mesh import AXES, make_mesh, mesh_shape
 from zpp_jax.models.blocks import block, init_stack
@@ -32,7 +33,7 @@ def run_demo(
     mesh = make_mesh(nodes, local)
     n = nodes * local
     if batch % n:
-        raise ValueError(f"--batch {batch} must be a multiple of the {n} devices")
+        raise UsageError(f"--batch {batch} must be a multiple of the {n} devices")
     kp, kx, ky = jax.random.split(jax.random.key(seed), 3)
     shards, layout = shard_params(
         init_stack(kp, layers, d_model, d_ff), mesh, stacked=True, align=config.alignment
@@ -62,10 +63,7 @@ def run_demo(
     step = step.lower(shards, opt_state, residuals).compile()  # compiled once, run below
     moved = summarize(step.as_text(), local_size)
     base = summarize(
-        make_step(ZeroPPConfig.zero3(comm_dtype="bfloat16"))[0]
-        .lower(shards, opt_state, None)
-        .compile()
-        .as_text(),
+        make_step(ZeroPPConfig.zero3())[0].lower(shards, opt_state, None).compile().as_text(),
         local_size,
     )
     print(

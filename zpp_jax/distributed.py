@@ -24,6 +24,7 @@ import os
 import jax
 from jax.sharding import Mesh
 
+from zpp_jax.errors import UsageError
 from zpp_jax.mesh import make_mesh
 
 ENV_COORDINATOR = "ZPP_COORDINATOR_ADDRESS"
@@ -59,22 +60,22 @@ class DistributedConfig:
         for name in ("initialization_timeout", "heartbeat_timeout", "shutdown_timeout"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+                raise UsageError(f"{name} must be a positive number of seconds, got {v!r}")
         n, i = self.num_processes, self.process_id
         if n is not None and (not isinstance(n, int) or n <= 0):
-            raise ValueError(f"num_processes must be a positive int, got {n!r}")
+            raise UsageError(f"num_processes must be a positive int, got {n!r}")
         if i is not None and (not isinstance(i, int) or i < 0 or (n is not None and i >= n)):
-            raise ValueError(f"process_id must be an int in [0, num_processes), got {i!r}")
+            raise UsageError(f"process_id must be an int in [0, num_processes), got {i!r}")
         if (n is None) != (i is None):
-            raise ValueError("give num_processes and process_id together (or neither)")
+            raise UsageError("give num_processes and process_id together (or neither)")
         if n is not None and n > 1 and not self.coordinator_address:
-            raise ValueError(
+            raise UsageError(
                 f"{n} processes need a coordinator_address (host:port of process 0), "
                 f"e.g. via ${ENV_COORDINATOR}"
             )
         d = self.local_cpu_devices
         if d is not None and (not isinstance(d, int) or d <= 0):
-            raise ValueError(f"local_cpu_devices must be a positive int, got {d!r}")
+            raise UsageError(f"local_cpu_devices must be a positive int, got {d!r}")
 
     @classmethod
     def from_env(cls, **overrides) -> DistributedConfig:
@@ -89,7 +90,7 @@ class DistributedConfig:
             try:
                 return int(value)
             except ValueError:
-                raise ValueError(f"${name} must be an integer, got {value!r}") from None
+                raise UsageError(f"${name} must be an integer, got {value!r}") from None
 
         fields = dict(
             coordinator_address=env.get(ENV_COORDINATOR) or env.get("JAX_COORDINATOR_ADDRESS"),

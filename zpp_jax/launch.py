@@ -30,6 +30,7 @@ from zpp_jax.distributed import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
+from zpp_jax.errors import UsageError
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -84,13 +85,13 @@ def launch(
     status: 0 when all succeed, else the first failure's (128 + signal number
     for a process killed by a signal)."""
     if not isinstance(nodes, int) or nodes <= 0:
-        raise ValueError(f"--nodes must be a positive int, got {nodes!r}")
+        raise UsageError(f"--nodes must be a positive int, got {nodes!r}")
     if not isinstance(local, int) or local <= 0:
-        raise ValueError(f"--local must be a positive int, got {local!r}")
+        raise UsageError(f"--local must be a positive int, got {local!r}")
     if not argv:
-        raise ValueError("nothing to launch: give a zpp subcommand after --, e.g. -- train")
+        raise UsageError("nothing to launch: give a zpp subcommand after --, e.g. -- train")
     if argv[0] == "launch":
-        raise ValueError("zpp launch cannot launch itself")
+        raise UsageError("zpp launch cannot launch itself")
     coordinator = f"127.0.0.1:{port or free_port()}"
     # `-- python script.py ...` runs a script; anything else is a zpp subcommand.
     cmd = (

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels as kernels
 from zpp_jax import collectives, quant
 from zpp_jax.config import ZeroPPConfig
+from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, LOCAL, NODE, mesh_shape
 from zpp_jax.partition import FlatLayout, shard_spec
 
@@ -69,16 +70,16 @@ class ShardedLayer:
 
     def __call__(self, shard: jax.Array, x: Any, residual: jax.Array | None = None) -> Any:
         if shard.shape != (self.layout.shard_size,):
-            raise ValueError(
+            raise UsageError(
                 f"shard has shape {shard.shape}, expected ({self.layout.shard_size},): call "
                 "the layer inside jax.shard_map with the shard spec of zpp_jax.shard_spec()"
             )
         if self.config.error_feedback and residual is None:
-            raise ValueError("config.error_feedback is on: pass the layer's residual")
+            raise UsageError("config.error_feedback is on: pass the layer's residual")
         if not self.config.error_feedback and residual is not None:
-            raise ValueError("a residual was passed but config.error_feedback is off")
+            raise UsageError("a residual was passed but config.error_feedback is off")
         if residual is not None and residual.dtype != jnp.dtype(self.config.residual_dtype):
-            raise ValueError(
+            raise UsageError(
                 f"residual has dtype {residual.dtype.name} but config.residual_dtype is "
                 f"{self.config.residual_dtype}; create it with ShardedLayer.init_residuals"
             )

@@ -8,6 +8,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from zpp_jax.errors import UsageError
+
 NODE = "node"
 LOCAL = "local"
 AXES = (NODE, LOCAL)
@@ -35,7 +37,7 @@ def make_mesh(
     """
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
-        raise ValueError("make_mesh got an empty device list")
+        raise UsageError("make_mesh got an empty device list")
     nprocs = len({d.process_index for d in devices})
     if nodes is None and local is None:
         nodes = nprocs
@@ -43,7 +45,7 @@ def make_mesh(
         given_name, given = ("local", local) if nodes is None else ("nodes", nodes)
         _check_positive(given_name, given)
         if len(devices) % given:
-            raise ValueError(
+            raise UsageError(
                 f"mesh {given_name}={given} does not match the {len(devices)} devices "
                 f"available: it must divide {len(devices)}"
             )
@@ -52,7 +54,7 @@ def make_mesh(
     _check_positive("nodes", nodes)
     _check_positive("local", local)
     if nodes * local != len(devices):
-        raise ValueError(
+        raise UsageError(
             f"mesh nodes x local = {nodes} x {local} = {nodes * local} does not match the "
             f"{len(devices)} devices available; choose sizes whose product is {len(devices)}, "
             f"or pass devices=jax.devices()[:{nodes * local}]"
@@ -62,7 +64,7 @@ def make_mesh(
     if nprocs > 1:
         for row in grid:
             if len({d.process_index for d in row}) != 1:
-                raise ValueError(
+                raise UsageError(
                     f"the local axis of size {local} would span several processes; with "
                     f"{nprocs} processes use nodes={nprocs} (node = process)"
                 )
@@ -71,12 +73,12 @@ def make_mesh(
 
 def _check_positive(name: str, value: int | None) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"mesh size {name} must be a positive int, got {value!r}")
+        raise UsageError(f"mesh size {name} must be a positive int, got {value!r}")
 
 
 def mesh_shape(mesh: Mesh) -> tuple[int, int]:
     """(nodes, local) of a mesh built by `make_mesh`."""
     missing = [a for a in AXES if a not in mesh.shape]
     if missing:
-        raise ValueError(f"mesh has axes {tuple(mesh.shape)}; the engine needs {AXES}")
+        raise UsageError(f"mesh has axes {tuple(mesh.shape)}; the engine needs {AXES}")
     return mesh.shape[NODE], mesh.shape[LOCAL]

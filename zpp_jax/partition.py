@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax import quant
+from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, mesh_shape
 
 PyTree = Any
@@ -71,15 +72,15 @@ class FlatLayout:
         """
         leaves, treedef = jax.tree.flatten(tree)
         if not leaves:
-            raise ValueError("cannot partition an empty parameter pytree")
+            raise UsageError("cannot partition an empty parameter pytree")
         if not isinstance(num_shards, int) or num_shards <= 0:
-            raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
+            raise UsageError(f"num_shards must be a positive int, got {num_shards!r}")
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
         shapes, dtypes = [], []
         for path, leaf in zip(paths, leaves, strict=True):
             dtype = jnp.result_type(leaf)
             if not jnp.issubdtype(dtype, jnp.floating) or dtype not in quant_float_dtypes():
-                raise ValueError(
+                raise UsageError(
                     f"parameter {path or '<root>'} has dtype {jnp.dtype(dtype).name}; ZeRO++ "
                     "shards float32, bfloat16 and float16 parameters only. Keep integer "
                     "state outside the sharded parameters, or cast it to a float dtype"
@@ -87,19 +88,19 @@ class FlatLayout:
             shape = tuple(np.shape(leaf))
             if stacked:
                 if not shape:
-                    raise ValueError(
+                    raise UsageError(
                         f"stacked parameter {path} is a scalar; it needs a leading layer axis"
                     )
                 shape = shape[1:]
             shapes.append(shape)
             dtypes.append(jnp.dtype(dtype))
         if stacked and len({np.shape(leaf)[0] for leaf in leaves}) != 1:
-            raise ValueError("stacked parameters disagree on the number of layers (leading axis)")
+            raise UsageError("stacked parameters disagree on the number of layers (leading axis)")
         if not isinstance(align, int) or align <= 0:
-            raise ValueError(f"align must be a positive int, got {align!r}")
+            raise UsageError(f"align must be a positive int, got {align!r}")
         sizes = [math.prod(s) for s in shapes]
         if sum(sizes) == 0:
-            raise ValueError("cannot partition parameters with zero elements")
+            raise UsageError("cannot partition parameters with zero elements")
         offsets, end = [], 0
         for n in sizes:
             offsets.append(end)

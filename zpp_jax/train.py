@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
+from zpp_jax.errors import UsageError
 from zpp_jax.layer import ShardedLayer, scan_layers
 from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.partition import FlatLayout, shard_params, unshard_params
@@ -73,7 +74,7 @@ def nnx_parts(model) -> ModelParts:
 
     missing = [name for name in GROUPS if not hasattr(model, name)]
     if missing:
-        raise ValueError(
+        raise UsageError(
             f"the model lacks submodule(s) {missing}; nnx_parts needs `embed`, `blocks` "
             "(stacked) and `head`, or build ModelParts yourself"
         )
@@ -148,7 +149,7 @@ class Trainer:
         loss_fn: Callable[[jax.Array, dict], jax.Array] = default_loss,
     ) -> None:
         if not isinstance(grad_accum, int) or grad_accum <= 0:
-            raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}")
+            raise UsageError(f"grad_accum must be a positive int, got {grad_accum!r}")
         self.parts, self.optimizer, self.mesh, self.config = parts, optimizer, mesh, config
         self.grad_accum, self.loss_fn = grad_accum, loss_fn
         nodes, local = mesh_shape(mesh)
@@ -275,7 +276,7 @@ class Trainer:
         """Raise ValueError unless a global batch of `b` splits evenly over
         the devices and the micro-batches."""
         if b % (self.num_devices * self.grad_accum):
-            raise ValueError(
+            raise UsageError(
                 f"global batch {b} must be a multiple of devices x grad_accum = "
                 f"{self.num_devices} x {self.grad_accum}"
             )

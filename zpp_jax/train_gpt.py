@@ -20,6 +20,7 @@ import optax
 from zpp_jax.checkpoint import Checkpointer
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.data import ByteDataset, host_to_global, load_text, stdlib_corpus
+from zpp_jax.errors import UsageError
 from zpp_jax.mesh import make_mesh
 from zpp_jax.models.gpt import GPT, GPTConfig
 from zpp_jax.report import summarize
@@ -58,11 +59,11 @@ class RunConfig:
         for name in ("nodes", "local", "batch", "grad_accum", "steps", "eval_batches"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+                raise UsageError(f"{name} must be a positive int, got {v!r}")
         if self.ckpt_every < 0 or self.eval_every < 0:
-            raise ValueError("ckpt_every and eval_every must be >= 0 (0: never)")
+            raise UsageError("ckpt_every and eval_every must be >= 0 (0: never)")
         if (self.ckpt_every or self.resume) and not self.ckpt_dir:
-            raise ValueError("checkpointing and --resume need --ckpt-dir")
+            raise UsageError("checkpointing and --resume need --ckpt-dir")
 
 
 def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:

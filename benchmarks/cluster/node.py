@@ -61,10 +61,7 @@ def _zpp_step(method, model_cfg, mesh, seed):
     from zpp_jax import Trainer, ZeroPPConfig, nnx_parts
     from zpp_jax.models.gpt import GPT
 
-    if method == "zero3":
-        config = ZeroPPConfig.zero3().replace(comm_dtype="bfloat16")
-    else:
-        config = ZeroPPConfig(comm_dtype="bfloat16")
+    config = ZeroPPConfig.zero3() if method == "zero3" else ZeroPPConfig(comm_dtype="bfloat16")
     model = GPT(model_cfg, nnx.Rngs(seed))
     trainer = Trainer(
         nnx_parts(model), optax.adamw(1e-3), mesh, config, compute_dtype=jnp.dtype(model_cfg.dtype)

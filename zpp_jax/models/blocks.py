@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zpp_jax.errors import UsageError
+
 
 def init_block(key: jax.Array, d_model: int, d_ff: int, dtype=jnp.float32) -> dict:
     """Parameters of one block: two layer norms, fused QKV, output and MLP weights."""
@@ -54,7 +56,7 @@ def block(p: dict, x: jax.Array, num_heads: int = 2) -> jax.Array:
     """x: (batch, tokens, d_model) -> same shape; causal self-attention + GELU MLP."""
     b, t, d = x.shape
     if d % num_heads:
-        raise ValueError(f"d_model={d} is not divisible by num_heads={num_heads}")
+        raise UsageError(f"d_model={d} is not divisible by num_heads={num_heads}")
     dt = p["attn"]["qkv"].dtype
     h = layer_norm(p["ln1"], x).astype(dt)
     q, k, v = jnp.split(h @ p["attn"]["qkv"], 3, axis=-1)

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zpp_jax.errors import UsageError
+
 _PRESETS = {
     "tiny": dict(d_model=64, n_layers=2, n_heads=4, d_ff=256, seq_len=64),
     "small": dict(d_model=256, n_layers=4, n_heads=4, d_ff=1024, seq_len=128),
@@ -37,17 +39,17 @@ class GPTConfig:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {v!r}")
+                raise UsageError(f"GPTConfig.{name} must be a positive int, got {v!r}")
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+            raise UsageError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype={self.dtype!r}: use float32, bfloat16 or float16")
+            raise UsageError(f"dtype={self.dtype!r}: use float32, bfloat16 or float16")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> GPTConfig:
         """`tiny` (tests), `small`, `125m` (benchmarks: ~127M parameters)."""
         if name not in _PRESETS:
-            raise ValueError(f"unknown model size {name!r}; choose one of {sorted(_PRESETS)}")
+            raise UsageError(f"unknown model size {name!r}; choose one of {sorted(_PRESETS)}")
         return cls(**{**_PRESETS[name], **overrides})
 
     def num_params(self) -> int:

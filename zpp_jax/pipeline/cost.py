@@ -21,6 +21,8 @@ import pathlib
 
 import numpy as np
 
+from zpp_jax.errors import UsageError
+
 
 @dataclasses.dataclass(frozen=True)
 class AnalyticCost:
@@ -42,11 +44,11 @@ class AnalyticCost:
         for name in ("hidden", "layers"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+                raise UsageError(f"{name} must be a positive int, got {v!r}")
         if self.ffn is not None and (not isinstance(self.ffn, int) or self.ffn <= 0):
-            raise ValueError(f"ffn must be a positive int, got {self.ffn!r}")
+            raise UsageError(f"ffn must be a positive int, got {self.ffn!r}")
         if not self.flops > 0 or not self.overhead_s >= 0 or not self.saturation_tokens >= 1:
-            raise ValueError("flops must be > 0, overhead_s >= 0, saturation_tokens >= 1")
+            raise UsageError("flops must be > 0, overhead_s >= 0, saturation_tokens >= 1")
 
     def __call__(self, batch, length, context):
         h = self.hidden
@@ -87,15 +89,15 @@ class FittedCost:
 
     def __post_init__(self) -> None:
         if len(self.base_lengths) < 2 or len(self.base_lengths) != len(self.base_times):
-            raise ValueError("a fitted cost needs >= 2 (length, time) points of equal count")
+            raise UsageError("a fitted cost needs >= 2 (length, time) points of equal count")
         if list(self.base_lengths) != sorted(set(self.base_lengths)):
-            raise ValueError("base_lengths must be strictly increasing")
+            raise UsageError("base_lengths must be strictly increasing")
         if not isinstance(self.layers, int) or self.layers <= 0:
-            raise ValueError(f"layers must be a positive int, got {self.layers!r}")
+            raise UsageError(f"layers must be a positive int, got {self.layers!r}")
         if self.context_slopes is not None and len(self.context_slopes) != len(self.base_lengths):
-            raise ValueError("context_slopes needs one slope per base length")
+            raise UsageError("context_slopes needs one slope per base length")
         if not (np.isfinite(self.step_overhead) and self.step_overhead >= 0):
-            raise ValueError(f"step_overhead must be >= 0 seconds, got {self.step_overhead!r}")
+            raise UsageError(f"step_overhead must be >= 0 seconds, got {self.step_overhead!r}")
 
     def __call__(self, batch, length, context):
         bl = np.asarray(batch, np.float64) * np.asarray(length, np.float64)
@@ -133,7 +135,7 @@ def load_cost(path: str | pathlib.Path):
     try:
         data = json.loads(pathlib.Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read a cost model from {path}: {e}") from None
+        raise UsageError(f"cannot read a cost model from {path}: {e}") from None
     kind = data.pop("kind", None)
     models = {"analytic": AnalyticCost, "fitted": FittedCost}
     if kind in models:
@@ -142,5 +144,5 @@ def load_cost(path: str | pathlib.Path):
         try:
             return models[kind](**fields)
         except TypeError as e:
-            raise ValueError(f"{path}: not a {kind} cost model: {e}") from None
-    raise ValueError(f"{path}: unknown cost model kind {kind!r} (analytic or fitted)")
+            raise UsageError(f"{path}: not a {kind} cost model: {e}") from None
+    raise UsageError(f"{path}: unknown cost model kind {kind!r} (analytic or fitted)")

@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from zpp_jax.errors import UsageError
+
 Cost = Callable[..., object]  # cost(batch, length, context) -> seconds, numpy-broadcasting
 OBJECTIVES = ("pipeline", "lockstep")
 
@@ -154,7 +156,7 @@ def plan_batch(
     sum of all slice times + (K - 1) * the longest slice time."""
     _check(stages=stages, objective="pipeline")
     if not isinstance(batch, int) or batch <= 0:
-        raise ValueError(f"batch must be a positive int, got {batch!r}")
+        raise UsageError(f"batch must be a positive int, got {batch!r}")
     n = _units(seq_len, granularity)
     tables = {b: _cost_table(n, granularity, cost, b) for b in range(1, batch + 1)}
     best = _Best()
@@ -193,7 +195,7 @@ def brute_force(
     """Every slicing (2^(n-1) of them): for tests on short sequences."""
     n = _units(seq_len, granularity)
     if n > 16:
-        raise ValueError(f"brute force over {n} units is too slow; use at most 16")
+        raise UsageError(f"brute force over {n} units is too slow; use at most 16")
     best = None
     for mask in range(1 << (n - 1)):
         cuts = [i + 1 for i in range(n - 1) if mask >> i & 1]
@@ -216,7 +218,7 @@ def _cost_table(n: int, g: int, cost: Cost, batch: int) -> np.ndarray:
     t = np.asarray(cost(batch, np.maximum(k, 1) * g, j * g), np.float64)
     t = np.broadcast_to(t, k.shape)
     if np.any(valid & ~(t >= 0)):
-        raise ValueError("the cost model returned a negative or NaN slice time")
+        raise UsageError("the cost model returned a negative or NaN slice time")
     return np.where(valid, t, np.inf)
 
 
@@ -285,9 +287,9 @@ def _backtrack(choice: np.ndarray, n: int) -> tuple[int, ...]:
 def _units(seq_len: int, granularity: int) -> int:
     for name, v in (("seq_len", seq_len), ("granularity", granularity)):
         if not isinstance(v, int | np.integer) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+            raise UsageError(f"{name} must be a positive int, got {v!r}")
     if seq_len % granularity:
-        raise ValueError(
+        raise UsageError(
             f"seq_len={seq_len} is not a multiple of granularity={granularity}; "
             "choose a granularity that divides it"
         )
@@ -296,6 +298,6 @@ def _units(seq_len: int, granularity: int) -> int:
 
 def _check(stages: int, objective: str) -> None:
     if not isinstance(stages, int | np.integer) or stages <= 0:
-        raise ValueError(f"stages must be a positive int, got {stages!r}")
+        raise UsageError(f"stages must be a positive int, got {stages!r}")
     if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        raise UsageError(f"objective must be one of {OBJECTIVES}, got {objective!r}")

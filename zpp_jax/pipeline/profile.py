@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from zpp_jax.errors import UsageError
 from zpp_jax.models.gpt import GPT, GPTConfig
 from zpp_jax.pipeline.cost import FittedCost
 from zpp_jax.pipeline.planner import latency
@@ -87,7 +88,7 @@ def profile_stage(
     ``[{"length", "context", "seconds"}]``. With `seq_len`, every step
     updates a cache of seq_len + length positions, as the runtime's does."""
     if not lengths or min(lengths) <= 0 or any(c < 0 for c in contexts):
-        raise ValueError("lengths must be positive and contexts non-negative")
+        raise UsageError("lengths must be positive and contexts non-negative")
     rows = []
     for length in sorted(set(lengths)):
         for context in sorted({0, *contexts}):
@@ -110,7 +111,7 @@ def fit(rows: list[dict], batch: int = 1) -> FittedCost:
     `layers` is 1: the times are already of a whole stage."""
     base = {r["length"]: r["seconds"] for r in rows if r["context"] == 0}
     if len(base) < 2:
-        raise ValueError("the fit needs no-context times of at least two lengths")
+        raise UsageError("the fit needs no-context times of at least two lengths")
     extra = [r for r in rows if r["context"] > 0]
     if extra:
         a = np.array(
@@ -153,7 +154,7 @@ def calibrate_step_overhead(
     Calibrate on a slicing with many short slices, where the overhead is a
     large share of the time, and report predictions for other slicings."""
     if not measured_s > 0:
-        raise ValueError(f"measured_s must be a positive time, got {measured_s!r}")
+        raise UsageError(f"measured_s must be a positive time, got {measured_s!r}")
     base = dataclasses.replace(cost, step_overhead=0.0)
     predicted = latency(slices, base, stages, batch, objective="lockstep")
     steps = len(slices) + stages - 1

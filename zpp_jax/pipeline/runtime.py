@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
+from zpp_jax.errors import UsageError
 from zpp_jax.layer import ShardedLayer
 from zpp_jax.mesh import AXES
 from zpp_jax.models.gpt import GPT
@@ -70,24 +71,24 @@ class TokenPipeline:
         zero: ZeroPPConfig | None = None,
     ) -> None:
         if STAGE not in mesh.axis_names:
-            raise ValueError(f"the mesh needs a {STAGE!r} axis, it has {mesh.axis_names}")
+            raise UsageError(f"the mesh needs a {STAGE!r} axis, it has {mesh.axis_names}")
         if zero is not None and any(a not in mesh.axis_names for a in AXES):
-            raise ValueError(
+            raise UsageError(
                 f"ZeRO inside the stages needs a ({STAGE!r}, 'node', 'local') mesh, it has "
                 f"{mesh.axis_names}"
             )
         self.stages = mesh.shape[STAGE]
         cfg = model.cfg
         if cfg.n_layers % self.stages:
-            raise ValueError(
+            raise UsageError(
                 f"{cfg.n_layers} layers do not split evenly over {self.stages} stages; "
                 "use a number of stages that divides the layer count"
             )
         slices = tuple(int(s) for s in slices)
         if not slices or min(slices) <= 0:
-            raise ValueError(f"slices must be positive token counts, got {slices}")
+            raise UsageError(f"slices must be positive token counts, got {slices}")
         if sum(slices) != cfg.seq_len:
-            raise ValueError(
+            raise UsageError(
                 f"the slices {slices} add up to {sum(slices)} tokens, the model's "
                 f"sequences have {cfg.seq_len}"
             )
