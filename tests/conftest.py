@@ -1,10 +1,33 @@
-"""Shared fixtures: 8 emulated CPU devices, meshes, and a small transformer stack."""
+"""Shared set-up: 8 emulated CPU devices, fast compiles, meshes.
+
+The environment below is set before jax is imported anywhere in the session,
+and the subprocesses tests start (`zpp train`, `zpp launch`, examples)
+inherit it.
+"""
 
 import os
+import shutil
+import tempfile
 
-# Must run before jax is imported anywhere in the test session.
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite compiles hundreds of small programs, where XLA:CPU's code
+# generation costs far more than the programs take to run: LLVM without
+# optimizations, and the older elemental emitters for fusions (a third of the
+# compile time of a training step). The numbers are IEEE arithmetic either
+# way, and the collectives and buffers the tests read are the same.
+_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+_flags = os.environ.get("XLA_FLAGS", "").split()
+os.environ["XLA_FLAGS"] = " ".join(
+    _flags + [f for f in _FAST_COMPILE if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]
+)
+# One compilation cache for the session, so that a subprocess compiling the
+# same program as an earlier one (a resumed run, the second node of a launch)
+# loads it instead. A fresh directory each session: nothing carries over
+# between runs.
+_CACHE = tempfile.mkdtemp(prefix="zpp-jax-tests-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -12,6 +35,10 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from zpp_jax import make_mesh  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", params=[(2, 4), (4, 2)], ids=["2x4", "4x2"])
