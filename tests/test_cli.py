@@ -1,46 +1,72 @@
 import subprocess
 import sys
 
-from zpp_jax.cli import build_parser, main
+import jax.numpy as jnp
+import pytest
+
+from zpp_jax import ZeroPPConfig
+from zpp_jax.cli import _config_from_args, build_parser, main
+
+TINY_DEMO = ["--steps", "3", "--layers", "2", "--d-model", "32", "--d-ff", "64"]
+TINY_DEMO += ["--seq", "8", "--batch", "8"]
 
 
 def test_demo_runs_and_reports_bytes(capsys):
-    code = main(
-        [
-            "demo",
-            "--steps",
-            "3",
-            "--layers",
-            "2",
-            "--d-model",
-            "32",
-            "--d-ff",
-            "64",
-            "--seq",
-            "8",
-            "--batch",
-            "8",
-        ]
-    )
+    code = main(["demo", *TINY_DEMO])
     out = capsys.readouterr().out
     assert code == 0
     assert "cross-node traffic" in out and "step    3" in out
 
 
-def test_bad_flags_give_a_clear_error(capsys):
-    assert main(["demo", "--batch", "6", "--steps", "1"]) == 2
-    assert "must be a multiple of the 8 devices" in capsys.readouterr().err
-    assert main(["demo", "--nodes", "3", "--local", "4"]) == 2
-    assert "does not match the 8 devices" in capsys.readouterr().err
+def test_demo_zero3_is_the_baseline_it_compares_with(capsys):
+    """`zpp demo --zero3` runs the same ZeRO-3 (bf16 wire) as its baseline
+    row: both move the same bytes."""
+    assert main(["demo", "--zero3", *TINY_DEMO]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {
+        name: line.split()[-2:]
+        for line in lines
+        for name in ("ZeRO-3 (bf16 wire)", "this config")
+        if line.strip().startswith(name)
+    }
+    assert rows["this config"] == rows["ZeRO-3 (bf16 wire)"]
+    assert "cross-node traffic: 1.00x" in "\n".join(lines)
+
+
+def _config(*flags, command="demo"):
+    return _config_from_args(build_parser().parse_args([command, *flags]))
 
 
 def test_technique_flags():
-    args = build_parser().parse_args(["demo", "--no-hpz", "--gradient-bits", "8"])
-    from zpp_jax.cli import _config_from_args
+    assert _config() == ZeroPPConfig(comm_dtype="bfloat16")
+    cfg = _config("--no-hpz", "--gradient-bits", "8")
+    assert cfg == ZeroPPConfig(hpz=False, gradient_bits=8, comm_dtype="bfloat16")
+    assert _config("--error-feedback", "--block-size", "128", command="train") == ZeroPPConfig(
+        error_feedback=True, block_size=128, comm_dtype="bfloat16"
+    )
+    # One definition of the baseline, for every command.
+    for command in ("demo", "train"):
+        assert _config("--zero3", command=command) == ZeroPPConfig.zero3()
+    assert ZeroPPConfig.zero3().comm_dtype == "bfloat16"
+    assert _config("--zero3", "--comm-dtype", "float32") == ZeroPPConfig.zero3(comm_dtype="float32")
 
-    cfg = _config_from_args(args)
-    assert cfg.quantize_weights and not cfg.hpz and cfg.gradient_bits == 8
-    assert not _config_from_args(build_parser().parse_args(["demo", "--zero3"])).quantize_weights
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--error-feedback"],
+        ["--weight-bits", "4"],
+        ["--no-hpz"],
+        ["--gradient-block-size", "32", "--no-qgz"],
+    ],
+)
+@pytest.mark.parametrize("command", ["demo", "train"])
+def test_zero3_rejects_technique_flags(capsys, command, flags):
+    assert main([command, "--zero3", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "--zero3 turns every ZeRO++ technique off" in err
+    assert all(f in err for f in flags if f.startswith("--"))
 
 
 def test_module_entry_point():
@@ -48,12 +74,36 @@ def test_module_entry_point():
     assert r.returncode == 0 and "demo" in r.stdout
 
 
-def test_train_bad_flags_give_a_clear_error(capsys):
-    assert main(["train", "--batch", "12", "--steps", "1", "--quiet"]) == 2
-    assert "global batch 12 must be a multiple of devices x grad_accum = 8 x 1" in (
-        capsys.readouterr().err
-    )
-    assert main(["train", "--model", "huge", "--steps", "1", "--quiet"]) == 2
-    assert "unknown model size 'huge'" in capsys.readouterr().err
-    assert main(["train", "--resume", "--steps", "1", "--quiet"]) == 2
-    assert "need --ckpt-dir" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--batch", "6", "--steps", "1"], "must be a multiple of the 8 devices"),
+        (["demo", "--nodes", "3", "--local", "4"], "does not match the 8 devices"),
+        (["demo", "--block-size", "0"], "block_size must be a positive int"),
+        (
+            ["train", "--batch", "12", "--steps", "1", "--quiet"],
+            "global batch 12 must be a multiple of devices x grad_accum = 8 x 1",
+        ),
+        (["train", "--model", "huge", "--steps", "1", "--quiet"], "unknown model size 'huge'"),
+        (["train", "--resume", "--steps", "1", "--quiet"], "need --ckpt-dir"),
+        (["plan", "--layers", "0", "--hidden", "8", "--seq", "8", "--stages", "1"], "--layers"),
+    ],
+)
+def test_user_errors_are_one_line_and_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and err.startswith("zpp ")
+
+
+def test_internal_errors_keep_their_traceback(monkeypatch):
+    """A ValueError that is not bad input, here one JAX raises while tracing
+    the layer, propagates with its traceback instead of becoming exit 2."""
+    import zpp_jax.demo
+
+    def broken_block(params, x):
+        return jnp.split(x, 7, axis=-1)[0]  # 32 features do not split into 7
+
+    monkeypatch.setattr(zpp_jax.demo, "block", broken_block)
+    with pytest.raises(ValueError, match="equal division") as info:
+        main(["demo", *TINY_DEMO])
+    assert not isinstance(info.value, zpp_jax.UsageError)

@@ -2,6 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bounds import quant_steps, two_rounding_bound
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax import AXES, collectives, make_mesh, mesh_shape, quant
@@ -12,13 +13,6 @@ def _smap(mesh, f, in_specs, out_specs):
     return jax.jit(
         jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     )
-
-
-def _steps(x, bits, block):
-    """Per-element quantization step of quantizing rows of `x` (numpy, reference numerics)."""
-    q = quant.quantize(jnp.asarray(x), bits, block)
-    eb = quant.effective_block_size(x.shape[-1], block, bits)
-    return np.repeat(np.asarray(q.scales), eb, axis=-1)[..., : x.shape[-1]]
 
 
 @pytest.mark.parametrize("s", [1, 5, 300])
@@ -44,7 +38,7 @@ def test_quantized_all_gather_within_half_step(mesh, bits, s):
         mesh, lambda sh: collectives.quantized_all_gather(sh, bits, 64)[None], P(AXES), P(AXES)
     )
     out = np.asarray(f(x)).reshape(n, n * s)
-    step = _steps(np.asarray(x).reshape(n, s), bits, 64).reshape(-1)
+    step = quant_steps(np.asarray(x).reshape(n, s), bits, 64).reshape(-1)
     for row in out:  # every device sees the same weights
         np.testing.assert_array_equal(row, out[0])
     assert np.all(np.abs(out[0] - np.asarray(x)) <= 0.5 * step * (1 + 1e-5))
@@ -75,22 +69,6 @@ def _hier(mesh, bits, block, residual=False):
     return _smap(mesh, f, (P(AXES, None), P(AXES, None)), (P(AXES), P(AXES, None)))
 
 
-def _two_rounding_bound(g, nodes, local, bits, block):
-    """Elementwise bound |result - exact mean| from the two quantizations each
-    element goes through, recomputed with the reference numerics."""
-    n, full = g.shape
-    s = full // n
-    rows = g.reshape(nodes, local, nodes, local, s).transpose(0, 1, 3, 2, 4)  # [n, l', l, m, i]
-    step1 = _steps(rows, bits, block)  # quantized on device (n, l'), chunk for peer l, node m
-    deq1 = np.asarray(quant.dequantize(quant.quantize(jnp.asarray(rows), bits, block), bits, s))
-    partial = deq1.sum(axis=1)  # on device (n, l): [n, l, m, i]
-    step2 = _steps(partial, bits, block)  # [n, l, m, i]
-    b1 = 0.5 * step1.sum(axis=1).reshape(nodes, local, nodes, s).sum(axis=0)  # [l, m, i]
-    b2 = 0.5 * step2.sum(axis=0)  # [l, m, i]
-    bound = (b1 + b2).transpose(1, 0, 2).reshape(-1)  # destination (m, l) order
-    return bound / n
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("s, block", [(300, 64), (37, 16), (1, 256)])
 def test_hierarchical_within_two_roundings(mesh, bits, s, block):
@@ -98,7 +76,7 @@ def test_hierarchical_within_two_roundings(mesh, bits, s, block):
     g = _per_device_full(mesh, s)
     out, _ = _hier(mesh, bits, block)(g, jnp.zeros((g.shape[0], 1)))
     exact = np.asarray(g, np.float64).mean(0)
-    bound = _two_rounding_bound(np.asarray(g), nodes, local, bits, block)
+    bound = two_rounding_bound(np.asarray(g), nodes, local, bits, block)
     err = np.abs(np.asarray(out) - exact)
     assert np.all(err <= bound * (1 + 1e-4) + 1e-6), float(np.max(err - bound))
     if s > 1:  # (a one-element chunk is its own block: nearly exact)
@@ -125,27 +103,33 @@ def test_hierarchical_skips_size_one_axes():
         g = _per_device_full(mesh, 40)
         out, _ = _hier(mesh, 8, 32)(g, jnp.zeros((8, 1)))
         rows = np.asarray(g).reshape(8, 8, 40)
-        step = _steps(rows, 8, 32)
+        step = quant_steps(rows, 8, 32)
         bound = 0.5 * step.sum(0).reshape(-1) / 8
         assert np.all(np.abs(np.asarray(out) - np.asarray(g).mean(0)) <= bound * (1 + 1e-4) + 1e-7)
 
 
-def test_error_feedback_reduces_mean_error_5x(mesh):
+def test_error_feedback_makes_the_mean_converge(mesh):
+    """The same gradient T times: without error feedback every call rounds the
+    same way, so the mean keeps the one-call error; with it the rounding
+    errors telescope, and the mean is within (final residual) / T of exact,
+    about twice the one-call bound over T."""
     nodes, local = mesh_shape(mesh)
-    n, s = nodes * local, 96
+    n, s, calls = nodes * local, 96, 50
     g = _per_device_full(mesh, s, seed=3)
     exact = np.asarray(g, np.float64).mean(0)
+    bound = two_rounding_bound(np.asarray(g), nodes, local, 4, 32)
     size = collectives.residual_size(s, nodes, local)
     errors = {}
     for ef in (False, True):
         f = _hier(mesh, 4, 32, residual=ef)
         res = jnp.zeros((n, size) if ef else (n, 1), jnp.float32)
-        outs = []
-        for _ in range(50):
+        total = np.zeros_like(exact)
+        for _ in range(calls):
             out, res = f(g, res)
-            outs.append(np.asarray(out))
-        errors[ef] = np.abs(np.mean(outs, axis=0) - exact).mean()
-    assert errors[True] * 5 <= errors[False], errors
+            total += np.asarray(out, np.float64)
+        errors[ef] = np.abs(total / calls - exact)
+    assert np.all(errors[True] <= 2 * bound / calls + 1e-6)
+    assert np.max(errors[False]) > 2 * np.max(bound) / calls  # ... which plain rounding is not
 
 
 def test_int4_travels_two_codes_per_byte(mesh24):

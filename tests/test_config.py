@@ -16,20 +16,24 @@ def test_zero3_switches_everything_off():
     assert not (c.quantize_weights or c.hpz or c.quantize_gradients or c.error_feedback)
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        dict(quantize_weights=True, hpz=False, quantize_gradients=False),
-        dict(quantize_weights=False, hpz=True, quantize_gradients=False),
-        dict(quantize_weights=False, hpz=False, quantize_gradients=True),
-        dict(quantize_weights=False, hpz=False, quantize_gradients=True, error_feedback=True),
-        dict(weight_bits=4, gradient_bits=8),
-    ],
-)
-def test_each_technique_switches_alone(kwargs):
-    c = ZeroPPConfig(**kwargs)
-    for k, v in kwargs.items():
-        assert getattr(c, k) == v
+def test_zero3_is_the_bf16_baseline():
+    assert ZeroPPConfig.zero3() == ZeroPPConfig(
+        quantize_weights=False, hpz=False, quantize_gradients=False, comm_dtype="bfloat16"
+    )
+    assert ZeroPPConfig.zero3(comm_dtype=None).comm_dtype is None  # the exact fp32 wire
+    assert ZeroPPConfig.zero3(hpz=True).hpz
+
+
+def test_replace_validates_again():
+    assert ZeroPPConfig().replace(gradient_bits=8).gradient_bits == 8
+    with pytest.raises(ValueError, match="needs quantize_gradients=True"):
+        ZeroPPConfig(error_feedback=True).replace(quantize_gradients=False)
+
+
+def test_hashable_and_equal_by_value():
+    # configurations key compiled programs: equal ones must hash alike
+    assert ZeroPPConfig(hpz=False) == ZeroPPConfig(hpz=False)
+    assert len({ZeroPPConfig(), ZeroPPConfig(), ZeroPPConfig.zero3()}) == 2
 
 
 def test_frozen():

@@ -10,15 +10,24 @@ def test_stdlib_corpus_is_real_python():
     assert b"def " in toks.tobytes() and b"import " in toks.tobytes()
 
 
+def _windows(batch):
+    """Each row's seq_len + 1 tokens: inputs plus the last target."""
+    return np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
+
+
 def test_batches_are_pure_functions_of_seed_split_index():
-    ds = ByteDataset(np.arange(10_000, dtype=np.int64) % 256, seq_len=32)
+    # Every token is its own position in the corpus, so a window shows where it came from.
+    ds = ByteDataset(np.arange(10_000, dtype=np.int64), seq_len=32, val_fraction=0.05)
     a = ds.batch("train", 7, 4, seed=0)
     np.testing.assert_array_equal(a["inputs"], ds.batch("train", 7, 4, seed=0)["inputs"])
     assert not np.array_equal(a["inputs"], ds.batch("train", 8, 4, seed=0)["inputs"])
+    assert not np.array_equal(a["inputs"], ds.batch("train", 7, 4, seed=1)["inputs"])
     np.testing.assert_array_equal(a["inputs"][:, 1:], a["targets"][:, :-1])
     assert a["inputs"].shape == (4, 32) and a["inputs"].dtype == np.int32
-    val = ds.batch("val", 0, 64, seed=0)["inputs"]
-    assert val.min() >= 0 and np.all(np.isin(val, ds.splits["val"]))
+    for split, (lo, hi) in {"train": (0, 9500), "val": (9500, 10_000)}.items():
+        w = _windows(ds.batch(split, 0, 64, seed=0))
+        assert np.all(np.diff(w, axis=1) == 1)  # contiguous windows of the corpus
+        assert w.min() >= lo and w.max() < hi  # from this split only
 
 
 def test_held_out_split_and_errors(tmp_path):

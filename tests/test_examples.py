@@ -8,6 +8,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script", ["pjit_train.py", "pmap_train.py", "linen_train.py", "sharded_layer.py"]
 )
@@ -25,6 +26,7 @@ def test_example_runs(script):
     assert len(losses) == 10 and losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_multihost_example_under_zpp_launch():
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZPP_")}
     r = subprocess.run(

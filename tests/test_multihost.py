@@ -18,7 +18,11 @@ from zpp_jax.distributed import DistributedConfig
 from zpp_jax.launch import free_port, process_env
 from zpp_jax.train_gpt import RunConfig, make_trainer
 
-TRAIN = ["train", "--quiet", "--error-feedback", "--eval-every", "0"]
+# No clipping (a bound far above the gradient norm): then only the reported
+# loss and norm are all-reduced, and the training trajectory depends on no
+# sum whose order differs between one process and two (the gradient
+# reduction is an all-to-all and fixed-order sums).
+TRAIN = ["train", "--quiet", "--error-feedback", "--eval-every", "0", "--clip", "1e9"]
 ZERO = dict(error_feedback=True)
 
 
@@ -46,13 +50,16 @@ def _losses(path):
     return [json.loads(line)["loss"] for line in pathlib.Path(path).read_text().splitlines()]
 
 
-def _final_state(ckpt_dir, steps):
+def _run_config(steps):
     from zpp_jax.config import ZeroPPConfig
 
-    cfg = RunConfig(zero=ZeroPPConfig(comm_dtype="bfloat16", **ZERO), steps=steps)
-    trainer = make_trainer(cfg)
+    return RunConfig(zero=ZeroPPConfig(**ZERO), steps=steps)
+
+
+def _final_state(ckpt_dir, steps):
+    trainer = make_trainer(_run_config(steps))
     state, meta = Checkpointer(ckpt_dir).restore(trainer)
-    assert not meta["residuals_reset"]
+    assert not meta["residuals_reset"] and int(state.step) == steps
     return jax.tree.map(np.asarray, state)
 
 
@@ -84,108 +91,98 @@ def test_distributed_config_from_env(monkeypatch):
     assert not DistributedConfig().is_multi_process
 
 
-def test_launch_equals_one_process_and_restores_in_one_process(tmp_path):
-    """`zpp launch --nodes 2 -- train` (2 processes x 4 devices) against
-    `zpp train` (one process, 2 x 4 devices): same losses, same final state,
-    all techniques on (qwZ, hpZ, qgZ, error feedback)."""
-    args = [*TRAIN, "--steps", "10"]
+def _start_pair(args, env_base):
+    port = free_port()
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "zpp_jax", *args],
+            env=process_env(i, 2, 4, f"127.0.0.1:{port}", heartbeat_timeout=10, base=env_base),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+
+
+def _stop(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_and_resume_after_a_sigkill(tmp_path):
+    """One run of `zpp launch --nodes 2 -- train` (2 processes x 4 devices,
+    qwZ, hpZ, qgZ and error feedback), checked three ways:
+
+    * against `zpp train` in one process on 2 x 4 devices: the same losses
+      up to fp32 round-off, the same final state bit for bit;
+    * its checkpoint restores in this single process;
+    * it is the uninterrupted reference for a pair of processes of which one
+      is SIGKILLed mid-training: the survivor stops with an error instead of
+      hanging, and restarting both with --resume reaches its final state bit
+      for bit.
+    """
+    steps, every = 12, 3
+    args = [*TRAIN, "--steps", str(steps), "--ckpt-every", str(every)]
     one = _zpp(
         [*args, "--metrics", str(tmp_path / "one.jsonl"), "--ckpt-dir", str(tmp_path / "c1")]
     )
     assert one.returncode == 0, one.stderr[-3000:]
     two = _zpp(
-        [
-            "launch",
-            "--nodes",
-            "2",
-            "--",
-            *args,
-            "--metrics",
-            str(tmp_path / "two.jsonl"),
-            "--ckpt-dir",
-            str(tmp_path / "c2"),
-        ],
+        ["launch", "--nodes", "2", "--", *args, "--metrics", str(tmp_path / "two.jsonl")]
+        + ["--ckpt-dir", str(tmp_path / "c2")]
     )
     assert two.returncode == 0, two.stderr[-3000:]
-    # Not bitwise: the loss mean and the clipping norm are all-reduces, which
-    # gloo sums in another order than the in-process collectives (the
-    # gradient reduction itself is an all-to-all plus fixed-order local sums).
-    np.testing.assert_allclose(
-        _losses(tmp_path / "two.jsonl"), _losses(tmp_path / "one.jsonl"), rtol=1e-6
-    )
-    # The 2-process checkpoint restores in this single process (2 x 4 emulated).
-    two_state, one_state = _final_state(tmp_path / "c2", 10), _final_state(tmp_path / "c1", 10)
-    worst = 0.0
-    for a, b in zip(jax.tree.leaves(two_state), jax.tree.leaves(one_state), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-        if a.dtype.kind == "f":
-            worst = max(worst, float(np.max(np.abs(a - b), initial=0.0)))
-    loss_gap = np.max(
-        np.abs(np.subtract(_losses(tmp_path / "two.jsonl"), _losses(tmp_path / "one.jsonl")))
-    )
-    print(f"2 processes vs 1: max |loss diff| {loss_gap:.2e}, max |state diff| {worst:.2e}")
 
+    # The reported loss is a mean over 8 devices, which gloo sums in another
+    # order: equal up to 8 units of fp32 round-off (u = 2^-24). Everything
+    # the training trajectory depends on is summed in a fixed order: the
+    # 2-process checkpoint, restored here, is bit for bit the 1-process one.
+    u = 2.0**-24
+    loss_one = np.array(_losses(tmp_path / "one.jsonl"))
+    loss_two = np.array(_losses(tmp_path / "two.jsonl"))
+    assert len(loss_one) == len(loss_two) == steps
+    assert np.all(np.abs(loss_two - loss_one) <= 8 * u * loss_one)
+    two_state = _final_state(tmp_path / "c2", steps)
+    _assert_states_equal(two_state, _final_state(tmp_path / "c1", steps))
 
-def test_sigkill_one_process_then_resume(tmp_path):
-    steps, every = 60, 10
-    args = [*TRAIN, "--steps", str(steps), "--ckpt-every", str(every)]
-    ckpt = tmp_path / "ckpt"
-    # The uninterrupted reference: the same two processes, never killed.
-    ref = _zpp(["launch", "--nodes", "2", "--", *args, "--ckpt-dir", str(tmp_path / "ref")])
-    assert ref.returncode == 0, ref.stderr[-3000:]
-
-    def start(resume):
-        port = free_port()
-        extra = ["--resume"] if resume else []
-        return [
-            subprocess.Popen(
-                [sys.executable, "-m", "zpp_jax", *args, "--ckpt-dir", str(ckpt), *extra],
-                env=process_env(
-                    i, 2, 4, f"127.0.0.1:{port}", heartbeat_timeout=10, base=_single_env()
-                ),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for i in range(2)
-        ]
-
-    procs = start(resume=False)
+    # The same run again, with process 1 SIGKILLed after checkpoint 2 * every.
+    ckpt = tmp_path / "killed"
+    procs = _start_pair([*args, "--ckpt-dir", str(ckpt)], _single_env())
     try:
-        deadline = time.monotonic() + 300
-        while not (ckpt / str(2 * every)).exists():  # mid-training, after a checkpoint
-            assert time.monotonic() < deadline, "no checkpoint appeared"
-            assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
+        while not (ckpt / str(2 * every)).exists():
+            dead = [p for p in procs if p.poll() is not None]
+            assert not dead, dead[0].communicate()[1][-3000:]
             time.sleep(0.05)
         procs[1].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        _, err = procs[0].communicate(timeout=90)
-        survivor_s = time.monotonic() - killed
+        # A hang guard, not a timing check: the survivor notices at its next
+        # collective, or when process 1 misses its heartbeat (10 s).
+        _, err = procs[0].communicate(timeout=300)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    print(f"survivor exited {survivor_s:.1f} s after the SIGKILL, status {procs[0].returncode}")
+        _stop(procs)
     assert procs[0].returncode != 0
-    assert survivor_s < 60
     # Whichever notices first: the failed collective (our message, exit 3) or
     # the coordination service's lost heartbeat (JAX's message, abort).
     assert (
         "another process of this job has probably died" in err
         or "This most likely indicates that another task died" in err
     ), err[-3000:]
-
     last = Checkpointer(ckpt).latest_step()
-    assert last is not None and every <= last < steps
-    procs = start(resume=True)
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
-    _assert_states_equal(_final_state(ckpt, steps), _final_state(tmp_path / "ref", steps))
+    assert last is not None and 2 * every <= last < steps
+    procs = _start_pair([*args, "--ckpt-dir", str(ckpt), "--resume"], _single_env())
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        _stop(procs)
+    _assert_states_equal(_final_state(ckpt, steps), two_state)
 
 
-def test_launch_reports_the_first_failure_and_stops_the_rest(capfd):
+def test_launch_reports_the_first_failure_and_stops_the_rest(capfd, tmp_path):
     from zpp_jax.launch import launch
 
     script = (
@@ -193,13 +190,16 @@ def test_launch_reports_the_first_failure_and_stops_the_rest(capfd):
         "i = int(os.environ['ZPP_PROCESS_ID'])\n"
         "assert os.environ['ZPP_NUM_PROCESSES'] == '3'\n"
         "assert os.environ['ZPP_LOCAL_CPU_DEVICES'] == '2'\n"
-        "time.sleep(600) if i == 0 else sys.exit(0 if i == 1 else 7)\n"
+        "if i == 0:\n"
+        "    time.sleep(600)\n"
+        f"    open({str(tmp_path / 'woke')!r}, 'w').close()\n"
+        "sys.exit(0 if i == 1 else 7)\n"
     )
-    start = time.monotonic()
     assert launch(["python", "-c", script], nodes=3, local=2, grace=1.0) == 7
-    assert time.monotonic() - start < 30  # the sleeper was stopped after the grace period
     err = capfd.readouterr().err
     assert "process 2 exited with status 7" in err and "stopping them" in err
+    # The sleeper was stopped, not left to finish its sleep.
+    assert not (tmp_path / "woke").exists()
 
 
 def test_launch_rejects_bad_arguments():

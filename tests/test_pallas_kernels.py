@@ -1,6 +1,9 @@
 """The Pallas kernels against the plain-JAX reference: bit for bit in
 interpret mode, and lowering for CUDA from this CPU-only machine."""
 
+import re
+from collections import Counter
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,10 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pallas_kernels as pk
-from zpp_jax import quant
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 SETTINGS = settings(max_examples=12, deadline=None)
+# The plain-JAX reference, jitted: one compilation per shape, not per operation.
+ref_quantize = jax.jit(pk.reference.quantize, static_argnums=(1, 2))
+ref_dequantize = jax.jit(pk.reference.dequantize, static_argnums=(1, 2, 3))
+ref_dsq = jax.jit(pk.reference.dequantize_sum_quantize, static_argnums=(1, 2))
 
 
 def _same(a, b):
@@ -31,7 +37,7 @@ def _same(a, b):
 
 
 def _data(seed, shape, dtype, specials):
-    x = np.array(3 * jax.random.normal(jax.random.key(seed), shape), np.float32)
+    x = (3 * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
     flat = x.reshape(-1)
     if specials and flat.size > 8:
         rng = np.random.default_rng(seed)
@@ -45,6 +51,7 @@ blocks = st.sampled_from([2, 6, 64, 100, 256])
 sizes = st.integers(1, 1500)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(
     n=sizes,
@@ -58,11 +65,12 @@ sizes = st.integers(1, 1500)
 def test_quantize_and_dequantize_bitwise(n, lead, block, bits, dtype, specials, seed):
     x = _data(seed, (lead, n), dtype, specials)
     q = pk.quantize(x, bits, block, interpret=True)
-    _same(q, quant.quantize(x, bits, block))
+    _same(q, ref_quantize(x, bits, block))
     out = DTYPES[seed % 3]
-    _same(pk.dequantize(q, bits, n, out, interpret=True), quant.dequantize(q, bits, n, out))
+    _same(pk.dequantize(q, bits, n, out, interpret=True), ref_dequantize(q, bits, n, out))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(
     k=st.integers(1, 4),
@@ -74,21 +82,25 @@ def test_quantize_and_dequantize_bitwise(n, lead, block, bits, dtype, specials, 
     seed=st.integers(0, 999),
 )
 def test_dequantize_sum_quantize_bitwise(k, size, block, bits, with_residual, specials, seed):
-    q = quant.quantize(_data(seed, (k, 2, size), jnp.float32, specials), bits, block)
+    q = ref_quantize(_data(seed, (k, 2, size), jnp.float32, specials), bits, block)
     residual = _data(seed + 1, (2, size), jnp.float32, False) * 0.1 if with_residual else None
-    ref = pk.dequantize_sum_quantize(q, bits, size, residual)
+    ref = ref_dsq(q, bits, size, residual)
     _same(pk.dequantize_sum_quantize(q, bits, size, residual, interpret=True), ref)
     # and the reference is what its docstring says
     total = sum(
-        quant.dequantize(quant.QuantizedBlocks(q.codes[j], q.scales[j]), bits, size)
+        np.asarray(ref_dequantize(pk.QuantizedBlocks(q.codes[j], q.scales[j]), bits, size))
         for j in range(k)
     )
     eb = q.codes.shape[-1] * (2 if bits == 4 else 1)
     if residual is not None:
-        total = total + residual
-    _same(ref[0], quant.quantize(total, bits, eb))
+        total = total + np.asarray(residual)
+    _same(ref[0], ref_quantize(jnp.asarray(total), bits, eb))
+    if residual is not None:  # the new residual is what the requantization lost
+        lost = total - np.asarray(ref_dequantize(ref[0], bits, size))
+        np.testing.assert_array_equal(np.asarray(ref[1]), lost)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(
     shape=st.sampled_from([(1, 8), (2, 4), (4, 2), (8, 1), (2, 2)]),
@@ -103,8 +115,38 @@ def test_quantize_reordered_bitwise(shape, s, block, bits, dtype, seed):
     full = _data(seed, (nodes * local * s,), dtype, True)
     q = pk.quantize_reordered(full, nodes, local, bits, block, interpret=True)
     rows = full.reshape(nodes, local, s).swapaxes(0, 1)
-    _same(q, quant.quantize(rows, bits, block))
+    _same(q, ref_quantize(rows, bits, block))
     assert q.codes.shape[:2] == (local, nodes)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, bits, block",
+    [
+        ((2, 1000), jnp.bfloat16, 4, 100),
+        ((777,), jnp.float16, 8, 64),
+        ((3, 5), jnp.float32, 4, 256),
+    ],
+)
+def test_fixed_cases_bitwise(shape, dtype, bits, block):
+    """A few hand-picked cases of every op (odd sizes, a block that is not a
+    power of two, a row shorter than a block, zero and non-finite blocks);
+    the hypothesis tests above search many more."""
+    x = _data(3, shape, dtype, specials=True)
+    n = shape[-1]
+    q = pk.quantize(x, bits, block, interpret=True)
+    _same(q, ref_quantize(x, bits, block))
+    _same(pk.dequantize(q, bits, n, dtype, interpret=True), ref_dequantize(q, bits, n, dtype))
+    stacked = ref_quantize(_data(4, (3, *shape), jnp.float32, True), bits, block)
+    residual = _data(5, shape, jnp.float32, False)
+    _same(
+        pk.dequantize_sum_quantize(stacked, bits, n, residual, interpret=True),
+        ref_dsq(stacked, bits, n, residual),
+    )
+    full = _data(6, (8 * n,), dtype, True)
+    _same(
+        pk.quantize_reordered(full, 2, 4, bits, block, interpret=True),
+        ref_quantize(full.reshape(2, 4, n).swapaxes(0, 1), bits, block),
+    )
 
 
 def test_aligned_multi_tile_sizes():
@@ -112,10 +154,10 @@ def test_aligned_multi_tile_sizes():
     x = _data(7, (3, 256 * 96), jnp.bfloat16, True)
     for bits in (4, 8):
         q = pk.quantize(x, bits, 256, interpret=True)
-        _same(q, quant.quantize(x, bits, 256))
+        _same(q, ref_quantize(x, bits, 256))
         _same(
             pk.dequantize(q, bits, x.shape[-1], jnp.bfloat16, interpret=True),
-            quant.dequantize(q, bits, x.shape[-1], jnp.bfloat16),
+            ref_dequantize(q, bits, x.shape[-1], jnp.bfloat16),
         )
 
 
@@ -123,39 +165,78 @@ def _lowered_for(f, args, platform):
     return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
+_TRITON_CALL = re.compile(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "(\w+)"')
+_FUNC = re.compile(r"^\s*func\.func (?:public |private )?@([\w.$-]+)\(", re.M)
+_CALL = re.compile(r"\bcall @([\w.$-]+)\(")
+
+
+def triton_kernels(text: str) -> Counter:
+    """How many times each Pallas Triton kernel runs in a lowered StableHLO
+    module: its calls in every function, times the calls of that function
+    (a jitted op used twice is one function called twice)."""
+    starts = [(m.start(), m.group(1)) for m in _FUNC.finditer(text)]
+    bodies = {
+        name: text[start : starts[i + 1][0] if i + 1 < len(starts) else len(text)]
+        for i, (start, name) in enumerate(starts)
+    }
+
+    def runs(name):
+        body = bodies[name]
+        total = Counter(m.group(1) for m in _TRITON_CALL.finditer(body))
+        for callee in _CALL.findall(body):
+            total += runs(callee)
+        return total
+
+    return runs("main")
+
+
+QUANTIZE, DEQUANTIZE, DSQ = "_quantize_kernel", "_dequantize_kernel", "_dsq_kernel"
 OPS = {
-    "quantize8": (lambda x: pk.quantize(x, 8, 256), lambda: (jnp.ones((4, 1000), jnp.bfloat16),)),
-    "quantize4": (lambda x: pk.quantize(x, 4, 64), lambda: (jnp.ones((1000,), jnp.float16),)),
+    "quantize8": (
+        lambda x: pk.quantize(x, 8, 256),
+        lambda: (jnp.ones((4, 1000), jnp.bfloat16),),
+        QUANTIZE,
+    ),
+    "quantize4": (
+        lambda x: pk.quantize(x, 4, 64),
+        lambda: (jnp.ones((1000,), jnp.float16),),
+        QUANTIZE,
+    ),
     "dequantize4": (
         lambda q: pk.dequantize(q, 4, 1000, jnp.bfloat16),
-        lambda: (quant.quantize(jnp.ones((4, 1000)), 4, 64),),
+        lambda: (ref_quantize(jnp.ones((4, 1000)), 4, 64),),
+        DEQUANTIZE,
     ),
     "dequantize8": (
         lambda q: pk.dequantize(q, 8, 1000),
-        lambda: (quant.quantize(jnp.ones(1000), 8, 256),),
+        lambda: (ref_quantize(jnp.ones(1000), 8, 256),),
+        DEQUANTIZE,
     ),
     "dequantize_sum_quantize": (
         lambda q, r: pk.dequantize_sum_quantize(q, 4, 512, r),
-        lambda: (quant.quantize(jnp.ones((4, 2, 512)), 4, 64), jnp.zeros((2, 512))),
+        lambda: (ref_quantize(jnp.ones((4, 2, 512)), 4, 64), jnp.zeros((2, 512))),
+        DSQ,
     ),
     "quantize_reordered": (
         lambda x: pk.quantize_reordered(x, 2, 4, 4, 64),
         lambda: (jnp.ones((8 * 512,)),),
+        QUANTIZE,
     ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_lowers_for_cuda_with_the_kernel_and_for_cpu_without(name):
-    f, args = OPS[name]
-    cuda = _lowered_for(f, args(), "cuda")
-    assert "triton" in cuda  # the Pallas kernel, as a Triton custom call
+    f, args, kernel = OPS[name]
+    # One Triton call, of this op's own kernel, and nothing else of Pallas.
+    assert triton_kernels(_lowered_for(f, args(), "cuda")) == Counter({kernel: 1})
     cpu = _lowered_for(f, args(), "cpu")
-    assert "triton" not in cpu  # the plain-JAX reference
+    assert "triton" not in cpu and "custom_call" not in cpu  # the plain-JAX reference
 
 
 def test_engine_step_lowers_for_cuda(mesh24):
-    """The whole sharded layer (gather, hpZ, qgZ) with its kernels lowers for CUDA."""
+    """A whole sharded layer's gradient (qwZ, hpZ, qgZ with error feedback)
+    lowers for CUDA with exactly the kernels the algorithm calls."""
     from jax.sharding import PartitionSpec as P
 
     from zpp_jax import AXES, ShardedLayer, ZeroPPConfig, shard_params, shard_spec
@@ -167,7 +248,7 @@ def test_engine_step_lowers_for_cuda(mesh24):
 
     def local(shard, x, residual):
         def loss(shard, residual):
-            return jnp.sum(layer(shard, x, residual))
+            return jnp.sum(jnp.square(layer(shard, x, residual)))  # needs the forward
 
         return jax.grad(loss, argnums=(0, 1))(shard, residual)
 
@@ -180,4 +261,17 @@ def test_engine_step_lowers_for_cuda(mesh24):
     )
     residual = layer.init_residuals(mesh24)
     text = _lowered_for(f, (shards, jnp.ones((8, 4, 16)), residual), "cuda")
-    assert text.count("triton") >= 4
+    assert triton_kernels(text) == Counter(
+        {
+            # forward: quantize this device's shard (qwZ); dequantize the
+            # gathered codes. Gradient with error feedback: quantize the
+            # reordered gradient plus residual, and dequantize it for the new
+            # residual.
+            QUANTIZE: 2,
+            # forward weight, backward weight (hpZ re-gather), residual, and
+            # the final cross-node sum
+            DEQUANTIZE: 4,
+            # the intra-node partial sums, requantized for the node all-to-all
+            DSQ: 1,
+        }
+    )
