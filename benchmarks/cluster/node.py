@@ -63,10 +63,11 @@ def _zpp_step(method, model_cfg, mesh, seed):
 
     config = ZeroPPConfig.zero3() if method == "zero3" else ZeroPPConfig(comm_dtype="bfloat16")
     model = GPT(model_cfg, nnx.Rngs(seed))
+    size = _num_params(model)
     trainer = Trainer(
         nnx_parts(model), optax.adamw(1e-3), mesh, config, compute_dtype=jnp.dtype(model_cfg.dtype)
     )
-    return trainer.step, trainer.init(), trainer.batch_sharding()
+    return trainer.step, trainer.init(), trainer.batch_sharding(), size
 
 
 def _jit_step(model_cfg, mesh, seed):
@@ -81,6 +82,7 @@ def _jit_step(model_cfg, mesh, seed):
 
     n = mesh.size
     model = GPT(model_cfg, nnx.Rngs(seed))
+    size = _num_params(model)
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.adamw(1e-3)
 
@@ -116,7 +118,15 @@ def _jit_step(model_cfg, mesh, seed):
         out_shardings=((param_sh, opt_sh), NamedSharding(mesh, P())),
         donate_argnums=0,
     )
-    return step, (params, opt_state), batch_sh
+    return step, (params, opt_state), batch_sh, size
+
+
+def _num_params(model) -> int:
+    """Parameters of the model a method really trains (not of the flags)."""
+    import jax
+    from flax import nnx
+
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 def main(argv=None) -> None:
@@ -143,9 +153,9 @@ def main(argv=None) -> None:
 
     for method in args.methods:
         if method == "jit":
-            step, state, sharding = _jit_step(model_cfg, mesh, 0)
+            step, state, sharding, size = _jit_step(model_cfg, mesh, 0)
         else:
-            step, state, sharding = _zpp_step(method, model_cfg, mesh, 0)
+            step, state, sharding, size = _zpp_step(method, model_cfg, mesh, 0)
 
         def batch(i, sharding=sharding):
             return host_to_global(data.batch("train", i, args.batch, 0), sharding)
@@ -176,7 +186,7 @@ def main(argv=None) -> None:
             compile_s=compile_s,
             link_tx_bytes=(tx1 - tx0) / args.steps,
             link_rx_bytes=(rx1 - rx0) / args.steps,
-            params=model_cfg.num_params(),
+            params=size,
             tokens_per_device=args.batch * args.seq // mesh.size,
             model=dataclasses.asdict(model_cfg),
         )
