@@ -151,15 +151,20 @@ def test_same_seed_same_losses_bitwise():
 
 
 @pytest.mark.slow
-def test_zeropp_trains_close_to_zero3():
-    """Short version of the convergence check (benchmarks/convergence.py runs 300 steps)."""
+def test_zero3_and_zeropp_learn_context():
+    """60 steps of each on the default corpus: the validation loss falls below
+    the byte-unigram entropy of the validation text, which no model that
+    ignores the preceding bytes can reach (cross-entropy >= entropy). How
+    close ZeRO++ stays to ZeRO-3 is benchmarks/convergence.py's to report."""
+    from zpp_jax import ByteDataset, stdlib_corpus
+
+    val = ByteDataset(stdlib_corpus(), CFG.seq_len).splits["val"]
+    p = np.bincount(val, minlength=256) / len(val)
+    unigram_entropy = -np.sum(p[p > 0] * np.log(p[p > 0]))
     base = dict(steps=60, eval_every=60, eval_batches=8, progress=False)
-    z3 = run(RunConfig(zero=ZeroPPConfig.zero3(), **base))
-    zpp = run(RunConfig(**base))
-    assert z3[-1]["loss"] < z3[0]["loss"] - 1.0  # it learns
-    assert abs(zpp[-1]["val_loss"] - z3[-1]["val_loss"]) <= 0.02 * z3[-1]["val_loss"]
-    mean = lambda r: np.mean([x["loss"] for x in r[-10:]])  # noqa: E731
-    assert abs(mean(zpp) - mean(z3)) <= 0.02 * mean(z3)
+    for zero in (ZeroPPConfig.zero3(), ZeroPPConfig(comm_dtype="bfloat16")):
+        records = run(RunConfig(zero=zero, **base))
+        assert records[-1]["val_loss"] < unigram_entropy, (zero, records[-1])
 
 
 def test_single_node_mesh_and_pmap_style_axes(mesh24):
