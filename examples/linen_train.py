@@ -1,6 +1,7 @@
-"""A Linen model trained with ZeRO++: three Linen modules (embedding, one
-block, head) become `ModelParts` through `linen_parts`; the block parameters
-are stacked with `jax.vmap(block.init)`.
+"""Your own Flax Linen model with ZeRO++: `zpp.shard_linen` takes the module
+and its variables, and the loop stays ``model.apply(...)`` and
+``jax.value_and_grad`` with respect to ``variables["params"]``. Each block
+of the list (``block_0``, ``block_1``) is a unit.
 
     python examples/linen_train.py
 """
@@ -19,13 +20,6 @@ import zpp_jax as zpp  # noqa: E402
 D, LAYERS, SEQ, VOCAB = 64, 2, 64, 256
 
 
-class Embed(nn.Module):
-    @nn.compact
-    def __call__(self, tokens):
-        pos = self.param("pos", nn.initializers.normal(0.02), (SEQ, D))
-        return nn.Embed(VOCAB, D)(tokens) + pos[: tokens.shape[-1]]
-
-
 class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -35,30 +29,39 @@ class Block(nn.Module):
         return x + nn.Dense(D)(nn.gelu(nn.Dense(4 * D)(h)))
 
 
-class Head(nn.Module):
+class LM(nn.Module):
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, tokens):
+        pos = self.param("pos", nn.initializers.normal(0.02), (SEQ, D))
+        x = nn.Embed(VOCAB, D)(tokens) + pos[: tokens.shape[-1]]
+        for i in range(LAYERS):
+            x = Block(name=f"block_{i}")(x)
         return nn.Dense(VOCAB)(nn.LayerNorm()(x))
 
 
-embed, block, head = Embed(), Block(), Head()
-tokens = jnp.zeros((1, SEQ), jnp.int32)
-hidden = jnp.zeros((1, SEQ, D))
-keys = jax.random.split(jax.random.key(0), 3)
-parts = zpp.linen_parts(
-    embed,
-    block,
-    head,
-    embed.init(keys[0], tokens)["params"],
-    jax.vmap(lambda k: block.init(k, hidden)["params"])(jax.random.split(keys[1], LAYERS)),
-    head.init(keys[2], hidden)["params"],
-)
-
 mesh = zpp.make_mesh(nodes=2, local=4)
-trainer = zpp.Trainer(parts, optax.adamw(3e-3), mesh, zpp.ZeroPPConfig())
-state = trainer.init()
+model = LM()
+variables = model.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))
+model, variables = zpp.shard_linen(model, variables, mesh, zpp.ZeroPPConfig())
+
+tx = optax.adamw(3e-3)
+params = variables["params"]
+opt_state = tx.init(params)
+
+
+@jax.jit
+def train_step(params, opt_state, batch):
+    def loss_fn(params):
+        logits = model.apply({"params": params}, batch["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
 data = zpp.ByteDataset(zpp.stdlib_corpus(1 << 20), seq_len=SEQ)
 for i in range(10):
-    batch = jax.device_put(data.batch("train", i, 16, seed=0), trainer.batch_sharding())
-    state, metrics = trainer.step(state, batch)
-    print(f"step {i + 1}: loss {float(metrics['loss']):.4f}")
+    batch = jax.device_put(data.batch("train", i, 16, seed=0), zpp.batch_sharding(mesh))
+    params, opt_state, loss = train_step(params, opt_state, batch)
+    print(f"step {i + 1}: loss {float(loss):.4f}")

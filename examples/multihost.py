@@ -22,22 +22,18 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from zpp_jax.models import GPT, GPTConfig  # noqa: E402
+
 mesh = zpp.node_mesh()
-cfg = zpp.GPTConfig.preset("tiny", dtype="float32")
-trainer = zpp.Trainer(
-    zpp.nnx_parts(zpp.GPT(cfg, nnx.Rngs(0))),
-    optax.adamw(3e-3),
-    mesh,
-    zpp.ZeroPPConfig(),
-    compute_dtype=None,
-)
+cfg = GPTConfig.preset("tiny", dtype="float32")
+trainer = zpp.Trainer(GPT(cfg, nnx.Rngs(0)), optax.adamw(3e-3), mesh, zpp.ZeroPPConfig())
 state = trainer.init()
 data = zpp.ByteDataset(zpp.stdlib_corpus(1 << 20), cfg.seq_len)
 for i in range(5):
     batch = zpp.host_to_global(
         data.batch("train", i, 2 * mesh.size, seed=0), trainer.batch_sharding()
     )
-    state, metrics = trainer.step(state, batch)
+    state, metrics = trainer.train_step(state, batch)
     if jax.process_index() == 0:
         print(
             f"step {i + 1}: loss {float(metrics['loss']):.4f}  ({jax.process_count()} processes, "

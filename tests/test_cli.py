@@ -98,12 +98,12 @@ def test_user_errors_are_one_line_and_exit_2(capsys, argv, message):
 def test_internal_errors_keep_their_traceback(monkeypatch):
     """A ValueError that is not bad input, here one JAX raises while tracing
     the layer, propagates with its traceback instead of becoming exit 2."""
-    import zpp_jax.demo
+    import zpp_jax.cli.demo
 
     def broken_block(params, x):
         return jnp.split(x, 7, axis=-1)[0]  # 32 features do not split into 7
 
-    monkeypatch.setattr(zpp_jax.demo, "block", broken_block)
+    monkeypatch.setattr(zpp_jax.cli.demo, "block", broken_block)
     with pytest.raises(ValueError, match="equal division") as info:
         main(["demo", *TINY_DEMO])
     assert not isinstance(info.value, zpp_jax.UsageError)

@@ -6,7 +6,7 @@ from bounds import quant_steps, two_rounding_bound
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax import AXES, collectives, make_mesh, mesh_shape, quant
-from zpp_jax.report import collectives_in_hlo
+from zpp_jax.step_report import collectives_in_hlo
 
 
 def _smap(mesh, f, in_specs, out_specs):

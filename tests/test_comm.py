@@ -1,22 +1,41 @@
 import json
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
 
-from zpp_jax import GPT, GPTConfig, Trainer, nnx_parts, quant
+from zpp_jax import Trainer, quant, step_report
 from zpp_jax.cli import main
-from zpp_jax.comm import DEFAULT_CONFIGS, step_report
+from zpp_jax.cli.comm import DEFAULT_CONFIGS
+from zpp_jax.models import GPT, GPTConfig
+from zpp_jax.unit import call_layout, shard_dim
 
 CFG = GPTConfig.preset("tiny", seq_len=16)
 SCALARS = 256  # loss mean and gradient-norm all-reduces of a few fp32 scalars
 
 
 def _report(mesh, name):
-    trainer = Trainer(
-        nnx_parts(GPT(CFG, nnx.Rngs(0))), optax.adamw(1e-3), mesh, DEFAULT_CONFIGS[name]
-    )
-    return trainer, step_report(trainer, name, 16, CFG.seq_len)
+    trainer = Trainer(GPT(CFG, nnx.Rngs(0)), optax.adamw(1e-3), mesh, DEFAULT_CONFIGS[name])
+    tokens = jax.ShapeDtypeStruct((16, CFG.seq_len), jnp.int32)
+    return trainer, step_report(trainer, {"inputs": tokens, "targets": tokens})
+
+
+def _layout(module, config, n, stacked=False):
+    """The per-device layout of one call of a unit (one layer of a stack):
+    its parameters, each split along its own dimension."""
+    lead = 1 if stacked else 0
+    params = []
+    for _, v in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        shape = np.shape(v.get_value())[lead:]
+        params.append((shape, jnp.float32, shard_dim(shape, n, False)))
+    return call_layout(config, params, n)
+
+
+def _shard_size(module, config, n, stacked=False):
+    return _layout(module, config, n, stacked).shard_size
 
 
 def _in_loop(report, layers, spans_nodes):
@@ -32,13 +51,14 @@ def test_zero3_matches_the_analytic_count(mesh):
     nodes, local = mesh.devices.shape
     n = nodes * local
     trainer, r = _report(mesh, "zero3")
-    layers, s = trainer.num_layers, trainer.layouts["blocks"].shard_size
+    model, cfg = GPT(CFG, nnx.Rngs(0)), DEFAULT_CONFIGS["zero3"]
+    layers, s = CFG.n_layers, _shard_size(model.blocks, cfg, n, stacked=True)
     # per block: forward gather, backward gather, reduce-scatter, each moving
     # (N-1)/N of the bf16 vector of N*s elements
     assert _in_loop(r, layers, True) == layers * 3 * (n - 1) / n * n * s * 2
     assert r["intra_node_bytes"] == 0
     # embedding and head add at most the same three each, plus a few scalars
-    rest = sum(3 * (n - 1) * trainer.layouts[g].shard_size * 2 for g in ("embed", "head"))
+    rest = sum(3 * (n - 1) * _shard_size(m, cfg, n) * 2 for m in (model.embed, model.head))
     assert r["cross_node_bytes"] <= _in_loop(r, layers, True) + rest + SCALARS
 
 
@@ -46,8 +66,14 @@ def test_zeropp_matches_the_analytic_count(mesh):
     nodes, local = mesh.devices.shape
     n = nodes * local
     trainer, r = _report(mesh, "zeropp")
-    layers, s = trainer.num_layers, trainer.layouts["blocks"].shard_size
-    w8, w4 = quant.wire_bytes(s, 8, 256), quant.wire_bytes(s, 4, 64)
+    model = GPT(CFG, nnx.Rngs(0))
+    layout = _layout(model.blocks, DEFAULT_CONFIGS["zeropp"], n, stacked=True)
+    # weights: each segment (the run of whole 256-blocks, then every other
+    # tensor's block) quantized on its own, its padding not sent; gradients:
+    # the whole per-device vector in 64-blocks
+    w8 = sum(quant.wire_bytes(k, 8, 256) for _, k in layout.segments)
+    w4 = quant.wire_bytes(layout.shard_size, 4, 64)
+    layers = CFG.n_layers
     # hpZ gathers the int8 forward weight over `node` (the secondary shard),
     # then over `local`; the backward gathers over `local` only.
     cross = (nodes - 1) / nodes * nodes * w8  # forward gather across nodes

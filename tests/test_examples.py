@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "script", ["pjit_train.py", "pmap_train.py", "linen_train.py", "sharded_layer.py"]
+    "script", ["nnx_train.py", "pmap_train.py", "linen_train.py", "sharded_layer.py"]
 )
 def test_example_runs(script):
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8"}

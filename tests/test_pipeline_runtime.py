@@ -10,10 +10,11 @@ from bounds import two_rounding_bound
 from flax import nnx
 
 from zpp_jax import ZeroPPConfig
-from zpp_jax.models.gpt import GPT, GPTConfig, cross_entropy
+from zpp_jax.models.gpt import GPT, GPTConfig
 from zpp_jax.pipeline import plan_tokens
 from zpp_jax.pipeline.cost import AnalyticCost
 from zpp_jax.pipeline.runtime import TokenPipeline
+from zpp_jax.train import cross_entropy
 
 CFG = GPTConfig(seq_len=32, d_model=32, n_layers=4, n_heads=4, d_ff=64, dtype="float32")
 

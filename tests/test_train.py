@@ -7,16 +7,9 @@ import optax
 import pytest
 from flax import nnx
 
-from zpp_jax import (
-    GPT,
-    GPTConfig,
-    Trainer,
-    ZeroPPConfig,
-    cross_entropy,
-    make_mesh,
-    nnx_parts,
-)
-from zpp_jax.train_gpt import RunConfig, run
+from zpp_jax import Trainer, ZeroPPConfig, cross_entropy, make_mesh, unshard
+from zpp_jax.cli.train import RunConfig, run
+from zpp_jax.models import GPT, GPTConfig
 
 CFG = GPTConfig.preset("tiny", dtype="float32", seq_len=16, n_layers=2)
 EXACT = ZeroPPConfig.zero3(comm_dtype=None)  # fp32 wire: an unsharded model's numbers
@@ -29,7 +22,7 @@ def _batch(seed=1, b=16):
 
 @functools.cache
 def _reference(b):
-    """The unsharded model's loss and gradients on batch `_batch(b=b)`, jitted."""
+    """The unsharded model's loss, gradients and parameters on `_batch(b=b)`."""
     model = GPT(CFG, nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     batch = _batch(b=b)
@@ -43,7 +36,7 @@ def _reference(b):
         return jax.value_and_grad(loss)(params)
 
     loss, grads = value_and_grad(params)
-    return model, float(loss), grads, params
+    return float(loss), grads, params
 
 
 def _max_rel(a, b):
@@ -51,15 +44,18 @@ def _max_rel(a, b):
     return np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)
 
 
+def _params(trainer, state):
+    return nnx.state(unshard(trainer.model(state)), nnx.Param)
+
+
 # A fixed clip below the gradient norm of _batch(b=32), so clipping is active.
 CLIP = 0.2
 
 
 def _exact_step(mesh, grad_accum=1):
-    model, ref_loss, ref_grads, before = _reference(32)
     tx = optax.chain(optax.clip_by_global_norm(CLIP), optax.sgd(1.0))
-    trainer = Trainer(nnx_parts(model), tx, mesh, EXACT, jnp.float32, grad_accum=grad_accum)
-    state, metrics = trainer.step(
+    trainer = Trainer(GPT(CFG, nnx.Rngs(0)), tx, mesh, EXACT, grad_accum=grad_accum)
+    state, metrics = trainer.train_step(
         trainer.init(), jax.device_put(_batch(b=32), trainer.batch_sharding())
     )
     return trainer, state, metrics
@@ -71,63 +67,60 @@ def _exact_step_cached(mesh):
 
 
 def test_zero3_step_with_clipping_equals_unsharded(mesh):
-    model, ref_loss, ref_grads, before = _reference(32)
+    ref_loss, ref_grads, before = _reference(32)
     norm = float(optax.tree.norm(ref_grads))
     assert norm > 2 * CLIP  # clipping is active (by a margin)
     trainer, state, metrics = _exact_step_cached(mesh)
     assert abs(float(metrics["loss"]) - ref_loss) <= 1e-5 * ref_loss
     assert abs(float(metrics["grad_norm"]) - norm) <= 1e-5 * norm
-    new = trainer.export(state)
-    for group in ("embed", "blocks", "head"):
-        expect = jax.tree.map(lambda p, g: p - g * CLIP / norm, before[group], ref_grads[group])
-        for a, b in zip(jax.tree.leaves(new[group]), jax.tree.leaves(expect), strict=True):
-            assert _max_rel(a, b) <= 1e-5
+    expect = jax.tree.map(lambda p, g: p - g * CLIP / norm, before, ref_grads)
+    new = _params(trainer, state)
+    assert len(jax.tree.leaves(new)) == len(jax.tree.leaves(expect))
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(expect), strict=True):
+        assert a.shape == b.shape and _max_rel(a, b) <= 1e-5
+    assert Trainer.steps_done(state) == 1
 
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_grad_accumulation_matches_one_big_batch(mesh24, k):
-    one_loss, one_norm, one = (
-        lambda t, s, m: (float(m["loss"]), float(m["grad_norm"]), t.export(s))
-    )(*_exact_step_cached(mesh24))
+    t1, s1, m1 = _exact_step_cached(mesh24)
     trainer, state, m = _exact_step(mesh24, grad_accum=k)
-    assert abs(float(m["loss"]) - one_loss) <= 1e-6 * one_loss
-    assert abs(float(m["grad_norm"]) - one_norm) <= 1e-5 * one_norm
-    for a, b in zip(jax.tree.leaves(trainer.export(state)), jax.tree.leaves(one), strict=True):
+    assert abs(float(m["loss"]) - float(m1["loss"])) <= 1e-6 * float(m1["loss"])
+    assert abs(float(m["grad_norm"]) - float(m1["grad_norm"])) <= 1e-5 * float(m1["grad_norm"])
+    one = _params(t1, s1)
+    for a, b in zip(jax.tree.leaves(_params(trainer, state)), jax.tree.leaves(one), strict=True):
         assert _max_rel(a, b) <= 1e-5
 
 
 def test_batch_must_split_evenly(mesh24):
-    tr = Trainer(
-        nnx_parts(GPT(CFG, nnx.Rngs(0))), optax.sgd(0.1), mesh24, ZeroPPConfig(), grad_accum=2
-    )
+    tr = Trainer(GPT(CFG, nnx.Rngs(0)), optax.sgd(0.1), mesh24, ZeroPPConfig(), grad_accum=2)
     batch = jax.tree.map(jnp.asarray, _batch(b=8))
     with pytest.raises(ValueError, match="multiple of devices x grad_accum = 8 x 2"):
-        tr.step.trace(tr.abstract_state(), batch)
+        tr.train_step.trace(tr.abstract_state(), batch)
 
 
 @pytest.mark.parametrize("error_feedback", [False, True])
 def test_nan_gradient_skips_the_step(mesh24, error_feedback):
-    def poisoned_loss(logits, batch):
-        ce = cross_entropy(logits, batch["targets"])
-        return ce * jnp.mean(batch["poison"])  # NaN on one device only
+    def poisoned_loss(model, batch):
+        ce = cross_entropy(model(batch["inputs"]), batch["targets"])
+        return ce * jnp.mean(batch["poison"])  # NaN from one device's rows only
 
     cfg = ZeroPPConfig(error_feedback=error_feedback)
-    tr = Trainer(
-        nnx_parts(GPT(CFG, nnx.Rngs(0))), optax.adam(1e-2), mesh24, cfg, loss_fn=poisoned_loss
-    )
+    tr = Trainer(GPT(CFG, nnx.Rngs(0)), optax.adam(1e-2), mesh24, cfg, loss_fn=poisoned_loss)
     clean = {**_batch(), "poison": jnp.ones((16,))}
     poisoned = {**clean, "poison": clean["poison"].at[5].set(jnp.nan)}
-    state, m = tr.step(tr.init(), jax.device_put(clean, tr.batch_sharding()))
+    state, m = tr.train_step(tr.init(), jax.device_put(clean, tr.batch_sharding()))
     assert int(m["skipped"]) == 0
     before = jax.tree.map(np.asarray, state)  # the step donates its input
-    state, m = tr.step(state, jax.device_put(poisoned, tr.batch_sharding()))
+    state, m = tr.train_step(state, jax.device_put(poisoned, tr.batch_sharding()))
     assert int(m["skipped"]) == 1 and not np.isfinite(float(m["grad_norm"]))
     after = jax.tree.map(np.asarray, state)
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert int(state.step) == 1
-    state, m = tr.step(state, jax.device_put(clean, tr.batch_sharding()))
-    assert int(m["skipped"]) == 0 and int(state.step) == 2 and np.isfinite(float(m["loss"]))
+    assert Trainer.steps_done(state) == 1
+    state, m = tr.train_step(state, jax.device_put(clean, tr.batch_sharding()))
+    assert int(m["skipped"]) == 0 and Trainer.steps_done(state) == 2
+    assert np.isfinite(float(m["loss"]))
 
 
 # One run configuration for the tests of `run`: with fewer steps than the
@@ -167,12 +160,10 @@ def test_zero3_and_zeropp_learn_context():
         assert records[-1]["val_loss"] < unigram_entropy, (zero, records[-1])
 
 
-def test_single_node_mesh_and_pmap_style_axes(mesh24):
+def test_single_node_mesh(mesh24):
     # 1 x 8: hierarchical steps over the node axis are skipped.
-    tr = Trainer(
-        nnx_parts(GPT(CFG, nnx.Rngs(0))), optax.adam(1e-2), make_mesh(1, 8), ZeroPPConfig()
-    )
-    state, m = tr.step(tr.init(), jax.device_put(_batch(), tr.batch_sharding()))
+    tr = Trainer(GPT(CFG, nnx.Rngs(0)), optax.adam(1e-2), make_mesh(1, 8), ZeroPPConfig())
+    state, m = tr.train_step(tr.init(), jax.device_put(_batch(), tr.batch_sharding()))
     assert np.isfinite(float(m["loss"])) and int(m["skipped"]) == 0
 
 
@@ -183,7 +174,7 @@ def test_resume_is_bitwise(tmp_path):
     import json
 
     from zpp_jax import Checkpointer
-    from zpp_jax.train_gpt import make_trainer
+    from zpp_jax.cli.train import make_trainer
 
     def train(name, steps, resume=False):
         ckpt, metrics = str(tmp_path / name), str(tmp_path / f"{name}.jsonl")
@@ -198,8 +189,8 @@ def test_resume_is_bitwise(tmp_path):
     assert len(records["a"]) == 4
     for key in ("step", "loss", "grad_norm", "val_loss"):
         assert [r.get(key) for r in records["a"]] == [r.get(key) for r in records["b"]], key
-    trainer = make_trainer(RunConfig(**RUN))
-    (sa, ma), (sb, mb) = (Checkpointer(tmp_path / k).restore(trainer) for k in "ab")
-    assert ma["data_position"] == mb["data_position"] == 4 and int(sa.step) == 4
+    target = make_trainer(RunConfig(**RUN)).abstract_state()
+    (sa, ma), (sb, mb) = (Checkpointer(tmp_path / k).restore(target) for k in "ab")
+    assert ma["data_position"] == mb["data_position"] == 4 and Trainer.steps_done(sa) == 4
     for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

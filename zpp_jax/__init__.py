@@ -1,5 +1,11 @@
 """zpp-jax: ZeRO++ (quantized, hierarchical fully-sharded data parallel) and
-TeraPipe (token-level pipeline parallelism) for JAX."""
+TeraPipe (token-level pipeline parallelism) for JAX.
+
+The engine: `shard` / `shard_linen` for any Flax model, `Trainer` and
+`Checkpointer` around them, and the lower-level pieces they are built from
+(`ShardedLayer`, the layouts, `collectives`, `quant`). Reference models live
+in `zpp_jax.models`.
+"""
 
 from zpp_jax import collectives, distributed, pipeline, quant
 from zpp_jax.checkpoint import Checkpointer
@@ -9,45 +15,62 @@ from zpp_jax.distributed import DistributedConfig, initialize, node_mesh
 from zpp_jax.errors import UsageError
 from zpp_jax.layer import ShardedLayer, scan_layers, stack_value_and_grad
 from zpp_jax.mesh import AXES, LOCAL, NODE, make_mesh, mesh_shape
-from zpp_jax.models.gpt import GPT, GPTConfig, cross_entropy
-from zpp_jax.partition import FlatLayout, shard_params, shard_spec, unshard_params
-from zpp_jax.train import ModelParts, Trainer, TrainState, linen_parts, nnx_parts
+from zpp_jax.partition import FlatLayout, ParamLayout, shard_params, shard_spec, unshard_params
+from zpp_jax.shard import (
+    FeedbackResidual,
+    batch_sharding,
+    default_units,
+    grad,
+    shard,
+    unshard,
+    value_and_grad,
+)
+from zpp_jax.shard_linen import ShardedLinen, default_linen_units, shard_linen
+from zpp_jax.step_report import step_report
+from zpp_jax.train import Trainer, cross_entropy, next_token_loss
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "GPT",
-    "ByteDataset",
-    "Checkpointer",
-    "GPTConfig",
-    "ModelParts",
-    "TrainState",
-    "Trainer",
-    "cross_entropy",
-    "DistributedConfig",
-    "UsageError",
-    "initialize",
-    "distributed",
-    "pipeline",
-    "host_to_global",
-    "node_mesh",
-    "linen_parts",
-    "load_text",
-    "nnx_parts",
-    "stdlib_corpus",
     "AXES",
     "LOCAL",
     "NODE",
+    "ByteDataset",
+    "Checkpointer",
+    "DistributedConfig",
+    "FeedbackResidual",
     "FlatLayout",
+    "ParamLayout",
     "ShardedLayer",
+    "ShardedLinen",
+    "Trainer",
+    "UsageError",
     "ZeroPPConfig",
+    "batch_sharding",
     "collectives",
+    "cross_entropy",
+    "default_linen_units",
+    "default_units",
+    "distributed",
+    "grad",
+    "host_to_global",
+    "initialize",
+    "load_text",
     "make_mesh",
     "mesh_shape",
+    "next_token_loss",
+    "node_mesh",
+    "pipeline",
     "quant",
     "scan_layers",
-    "stack_value_and_grad",
+    "shard",
+    "shard_linen",
     "shard_params",
     "shard_spec",
+    "stack_value_and_grad",
+    "stdlib_corpus",
+    "step_report",
+    "unshard",
     "unshard_params",
+    "value_and_grad",
 ]

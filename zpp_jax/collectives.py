@@ -75,6 +75,13 @@ def all_gather(shard: jax.Array, comm_dtype=None) -> jax.Array:
     return gather_rows(shard, comm_dtype).reshape(-1).astype(shard.dtype)
 
 
+def gather_all(x):
+    """`x` (an array or a pytree of arrays) of every device, stacked in
+    device order: (N, *shape) per array, one all-gather over every bound axis."""
+    axes = bound_axes()
+    return jax.tree.map(lambda a: lax.all_gather(a, axes), x)
+
+
 def gather_over(x, axis: str):
     """`x` (an array or a pytree of arrays, e.g. `quant.QuantizedBlocks`) of
     every device along one mesh axis, stacked: (size, *shape) per array. An
@@ -132,9 +139,10 @@ def quantized_all_gather(
     return kernels.dequantize(q, bits, shard.shape[0], dtype).reshape(-1)
 
 
-def reduce_scatter(full: jax.Array, comm_dtype=None) -> jax.Array:
-    """Baseline gradient reduction: the mean over all N devices of `full`
-    (N*s,), scattered so each device keeps its own shard (s,) in fp32.
+def reduce_scatter(full: jax.Array, comm_dtype=None, mean: bool = True) -> jax.Array:
+    """Baseline gradient reduction: the mean (or, with ``mean=False``, the
+    sum) over all N devices of `full` (N*s,), scattered so each device keeps
+    its own shard (s,) in fp32.
 
     Moves (N-1)*s elements of `comm_dtype` (default fp32) per device. In fp32
     this is XLA's reduce-scatter. In a narrower dtype it is an all-to-all of
@@ -146,7 +154,7 @@ def reduce_scatter(full: jax.Array, comm_dtype=None) -> jax.Array:
         summed = lax.psum_scatter(
             full.astype(jnp.float32), bound_axes(), scatter_dimension=0, tiled=True
         )
-        return _mean(summed)
+        return _mean(summed, mean)
     nodes, local = axis_sizes()
     rows = to_bits(full.astype(comm_dtype).reshape(nodes * local, -1))
     received = from_bits(lax.all_to_all(rows, bound_axes(), 0, 0, tiled=True), comm_dtype)
@@ -155,12 +163,14 @@ def reduce_scatter(full: jax.Array, comm_dtype=None) -> jax.Array:
     total = received[0].astype(jnp.float32)
     for row in range(1, nodes * local):
         total = total + received[row].astype(jnp.float32)
-    return _mean(total)
+    return _mean(total, mean)
 
 
-def _mean(summed: jax.Array) -> jax.Array:
+def _mean(summed: jax.Array, mean: bool = True) -> jax.Array:
     # The one place both gradient paths divide by the device count, so the
     # quantized and the plain reduction average identically.
+    if not mean:
+        return summed
     nodes, local = axis_sizes()
     return summed * jnp.float32(1.0 / (nodes * local))
 
@@ -176,9 +186,11 @@ def hierarchical_reduce_scatter(
     bits: int,
     block_size: int,
     residual: jax.Array | None = None,
+    mean: bool = True,
 ) -> tuple[jax.Array, jax.Array | None]:
     """qgZ: quantized hierarchical reduction of `full` (N*s,) to this device's
-    shard (s,) of the mean over all N devices, in fp32.
+    shard (s,) of the mean (or, with ``mean=False``, the sum) over all N
+    devices, in fp32.
 
     Steps: quantize with the slice reordering fused in (the chunks each local
     peer reduces become contiguous; each chunk of s elements has its own
@@ -255,7 +267,7 @@ def hierarchical_reduce_scatter(
             r_local = rows - kernels.dequantize(q, bits, s)
         arrived = _all_to_all(q, LOCAL)
         if nodes == 1:
-            return _mean(_dequantize_sum(arrived, bits, s)[0]), _pack_residual(
+            return _mean(_dequantize_sum(arrived, bits, s)[0], mean), _pack_residual(
                 residual, r_local, r_node
             )
         q, r_node = kernels.dequantize_sum_quantize(arrived, bits, s, r_node)
@@ -273,7 +285,7 @@ def hierarchical_reduce_scatter(
         shard = _dequantize_sum(arrived, bits, s)
     else:  # a 1 x 1 mesh: nothing to reduce
         shard = kernels.dequantize(q, bits, s)[0]
-    return _mean(shard), _pack_residual(residual, r_local, r_node)
+    return _mean(shard, mean), _pack_residual(residual, r_local, r_node)
 
 
 def _chunk_rows(a: jax.Array, nodes: int, local: int) -> jax.Array:

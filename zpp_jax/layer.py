@@ -24,7 +24,7 @@ from zpp_jax import collectives, quant
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, LOCAL, NODE, mesh_shape
-from zpp_jax.partition import FlatLayout, shard_spec
+from zpp_jax.partition import FlatLayout, ParamLayout, shard_spec
 
 PyTree = Any
 
@@ -34,7 +34,9 @@ class ShardedLayer:
 
     Call it inside `jax.shard_map` over a (`node`, `local`) mesh as
     ``layer(shard, x)`` or, with error feedback, ``layer(shard, x, residual)``;
-    `shard` is this device's (s,) fp32 slice of the layer's flat parameters.
+    `shard` is this device's (s,) fp32 vector of the layer's parameters as
+    `layout` cuts them (`FlatLayout`: a slice of the flat parameters;
+    `ParamLayout`: this device's block of every parameter, packed).
 
     Guarantees:
       * forward: the weights are gathered (qwZ: as int8/int4 codes + fp32
@@ -46,10 +48,12 @@ class ShardedLayer:
       * backward: the weight is re-gathered (hpZ: over `local` only, from the
         secondary shards, bit-identical to the forward weight), `fn` is
         recomputed under `jax.vjp`, and the weight gradient (flattened to fp32)
-        is reduced to the mean over all devices and scattered to this device's
-        shard (qgZ: quantized hierarchical all-to-all; else reduce-scatter).
-        The cotangent returned for `shard` is that reduced gradient, already
-        averaged over the data-parallel devices.
+        is reduced over all devices and scattered to this device's shard
+        (qgZ: quantized hierarchical all-to-all; else reduce-scatter). The
+        cotangent returned for `shard` is that reduced gradient: the mean
+        over the data-parallel devices (`reduction="mean"`, for a loss that
+        is a mean of per-device losses) or their sum (`"sum"`, for a loss over
+        the global batch, whose per-device cotangents are already scaled).
       * error feedback: the cotangent returned for `residual` is the *new*
         residual (a value, not a derivative): read it from ``jax.grad`` with
         respect to the residual and carry it to the next step.
@@ -58,14 +62,18 @@ class ShardedLayer:
     def __init__(
         self,
         fn: Callable[[PyTree, Any], Any],
-        layout: FlatLayout,
+        layout: FlatLayout | ParamLayout,
         config: ZeroPPConfig,
         compute_dtype=None,
+        reduction: str = "mean",
     ) -> None:
+        if reduction not in ("mean", "sum"):
+            raise UsageError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         self.fn = fn
         self.layout = layout
         self.config = config
         self.compute_dtype = compute_dtype
+        self.reduction = reduction
         self._apply = _build(self)
 
     def __call__(self, shard: jax.Array, x: Any, residual: jax.Array | None = None) -> Any:
@@ -102,7 +110,7 @@ class ShardedLayer:
     # -- the pieces the custom_vjp is built from -------------------------------
 
     def _gather_forward(self, shard):
-        """Full flat weight (N*s,) and the hpZ secondary shard (or None).
+        """The full parameters (a pytree) and the hpZ secondary shard (or None).
 
         With hpZ the gather is hierarchical: first over `node` (each device
         then holds the shards of its local index on every node: the
@@ -110,14 +118,9 @@ class ShardedLayer:
         nodes a device sends s elements instead of the (N-1)/N of the full
         vector a flat ring carries over each node boundary.
         """
-        cfg = self.config
-        if not cfg.hpz:
-            if cfg.quantize_weights:
-                rows = collectives.quantized_gather(shard, cfg.weight_bits, cfg.block_size)
-            else:
-                rows = collectives.gather_rows(shard, cfg.comm_dtype)
-            return self._decode(rows), None
         wire = self._to_wire(shard)
+        if not self.config.hpz:
+            return self._decode(collectives.gather_all(wire)), None
         secondary = collectives.gather_over(wire, NODE)
         return self._assemble(secondary), secondary
 
@@ -128,12 +131,24 @@ class ShardedLayer:
 
     def _to_wire(self, shard):
         """This device's shard as it travels: int8/int4 codes and fp32 scales
-        (`quant.QuantizedBlocks`), or the raw bits of `comm_dtype`."""
+        (`quant.QuantizedBlocks`, each of the layout's segments quantized in
+        blocks of its own, codes and scales concatenated), or the raw bits of
+        `comm_dtype`."""
         cfg = self.config
         if cfg.quantize_weights:
-            return kernels.quantize(shard, cfg.weight_bits, cfg.block_size)
-        dtype = shard.dtype if cfg.comm_dtype is None else jnp.dtype(cfg.comm_dtype)
-        return collectives.to_bits(shard.astype(dtype))
+            parts = [
+                kernels.quantize(shard[o : o + k], cfg.weight_bits, cfg.block_size)
+                for o, k in self.layout.segments
+            ]
+            return quant.QuantizedBlocks(
+                jnp.concatenate([q.codes.reshape(-1) for q in parts]),
+                jnp.concatenate([q.scales for q in parts]),
+            )
+        return collectives.to_bits(shard.astype(self._wire_dtype))
+
+    @property
+    def _wire_dtype(self):
+        return jnp.float32 if self.config.comm_dtype is None else jnp.dtype(self.config.comm_dtype)
 
     def _assemble(self, secondary):
         """Secondary (nodes, ...) -> gathered over `local` -> the full weight.
@@ -146,39 +161,50 @@ class ShardedLayer:
         """
         rows = collectives.gather_over(secondary, LOCAL)
         rows = jax.tree.map(lambda a: jnp.concatenate([a[:, n] for n in range(a.shape[1])]), rows)
-        if self.config.quantize_weights:
-            return self._decode(rows)
-        dtype = jnp.float32 if self.config.comm_dtype is None else self.config.comm_dtype
-        return self._decode(collectives.from_bits(rows, dtype))
+        return self._decode(rows)
 
     def _decode(self, rows):
-        """(N, ...) gathered rows (codes and scales, or values) -> (N*s,) fp32."""
-        cfg, s = self.config, self.layout.shard_size
-        if cfg.quantize_weights:
-            return kernels.dequantize(rows, cfg.weight_bits, s).reshape(-1)
-        return rows.reshape(-1).astype(jnp.float32)
+        """Every device's wire, stacked as rows (N, ...) -> the full
+        parameters in `compute_dtype` (default: each leaf's own)."""
+        cfg, layout, n = self.config, self.layout, self.layout.num_shards
+        if not cfg.quantize_weights:
+            values = collectives.from_bits(rows, self._wire_dtype).astype(jnp.float32)
+            return layout.unflatten_rows(values, self.compute_dtype)
+        values, c0, s0 = [], 0, 0
+        for _, k in layout.segments:
+            block = quant.effective_block_size(k, cfg.block_size, cfg.weight_bits)
+            nb, width = quant.num_blocks(k, block), block * cfg.weight_bits // 8
+            q = quant.QuantizedBlocks(
+                rows.codes[:, c0 : c0 + nb * width].reshape(n, nb, width),
+                rows.scales[:, s0 : s0 + nb],
+            )
+            values.append(kernels.dequantize(q, cfg.weight_bits, k))
+            c0, s0 = c0 + nb * width, s0 + nb
+        return layout.from_segments(values, self.compute_dtype)
 
     def _reduce(self, grads, residual):
         """The layer's weight gradient (a pytree) -> this device's shard of
-        the mean over all devices, and the new residual (or None)."""
-        cfg = self.config
+        the mean (or sum) over all devices, and the new residual (or None)."""
+        cfg, layout, mean = self.config, self.layout, self.reduction == "mean"
         if cfg.quantize_gradients:
-            if residual is None and self.layout.align % cfg.grad_block == 0:
+            if residual is None and layout.align % cfg.grad_block == 0:
                 # Every tensor starts on a block boundary, so the blocks of the
                 # flat vector are the blocks of each tensor (zero blocks in the
                 # gaps): quantizing tensor by tensor gives the same bits without
                 # writing and re-reading the whole fp32 gradient.
-                flat = _quantize_flat_blocks(self.layout, grads, cfg.gradient_bits, cfg.grad_block)
+                quantize = (
+                    _quantize_flat_blocks
+                    if isinstance(layout, FlatLayout)
+                    else _quantize_rows_by_tensor
+                )
+                flat = quantize(layout, grads, cfg.gradient_bits, cfg.grad_block)
             else:
-                flat = self.layout.flatten(grads)
+                flat = layout.flatten_rows(grads).reshape(-1)
             return collectives.hierarchical_reduce_scatter(
-                flat, cfg.gradient_bits, cfg.grad_block, residual
+                flat, cfg.gradient_bits, cfg.grad_block, residual, mean=mean
             )
-        return collectives.reduce_scatter(self.layout.flatten(grads), cfg.comm_dtype), None
-
-    def _run(self, full, x):
-        params = self.layout.unflatten(full, self.compute_dtype)
-        return self.fn(params, x)
+        flat = layout.flatten_rows(grads).reshape(-1)
+        return collectives.reduce_scatter(flat, cfg.comm_dtype, mean=mean), None
 
 
 def _quantize_flat_blocks(
@@ -213,15 +239,66 @@ def _quantize_flat_blocks(
     return quant.QuantizedBlocks(jnp.concatenate(codes), jnp.concatenate(scales))
 
 
+def _quantize_rows_by_tensor(
+    layout: ParamLayout, tree: PyTree, bits: int, block: int
+) -> quant.QuantizedBlocks:
+    """``quantize(layout.flatten_rows(tree).reshape(-1), bits, block)`` bit
+    for bit, tensor by tensor: each parameter's rows (N, its block size) are
+    quantized on their own and the blocks interleaved per device. Needs the
+    offsets and the shard size to be multiples of `block`."""
+    n, code_dtype = layout.num_shards, jnp.uint8 if bits == 4 else jnp.int8
+    codes, scales, end = [], [], 0
+
+    def zero_blocks(count):
+        codes.append(jnp.zeros((n, count, block * bits // 8), code_dtype))
+        scales.append(jnp.zeros((n, count), jnp.float32))
+
+    leaves = layout.treedef.flatten_up_to(tree)
+    for i in layout.order:
+        off, k = layout.slices[i]
+        if off > end:
+            zero_blocks((off - end) // block)
+        count = -(-k // block)
+        x = jnp.pad(layout.device_rows(leaves[i], i), ((0, 0), (0, count * block - k)))
+        q = kernels.quantize(x.reshape(n, count, block), bits, block)
+        codes.append(q.codes)
+        scales.append(q.scales)
+        end = off + count * block
+    if layout.shard_size > end:
+        zero_blocks((layout.shard_size - end) // block)
+    c, s = jnp.concatenate(codes, axis=1), jnp.concatenate(scales, axis=1)
+    return quant.QuantizedBlocks(c.reshape(-1, c.shape[-1]), s.reshape(-1))
+
+
+def _tie(saved, g):
+    """`saved` made to depend on `g` (its float leaves plus ``0 * g[0]``),
+    which the compiler can neither fold (0 * NaN is NaN) nor see through:
+    the collective that follows can neither be hoisted before `g` exists
+    nor merged with an identical one elsewhere (XLA:CPU drops optimization
+    barriers before its last CSE pass). Costs one add over the shard."""
+    floats = [x for x in jax.tree.leaves(g) if jnp.issubdtype(x.dtype, jnp.floating) and x.size]
+    if not floats:
+        return saved
+    zero = jnp.ravel(floats[0])[0].astype(jnp.float32) * 0
+
+    def tie(x):
+        return x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(tie, saved)
+
+
 def _build(layer: ShardedLayer):
     @jax.custom_vjp
     def apply(shard, residual, x):
-        full, _ = layer._gather_forward(shard)
-        return layer._run(full, x)
+        params, _ = layer._gather_forward(_tie(shard, x))
+        return layer.fn(params, x)
 
     def fwd(shard, residual, x):
-        full, secondary = layer._gather_forward(shard)
-        y = layer._run(full, x)
+        # Tied to the input, so that the gather waits for the layer before:
+        # without it, layers of an unrolled list could all be gathered at
+        # once and the full weights of every layer be live together.
+        params, secondary = layer._gather_forward(_tie(shard, x))
+        y = layer.fn(params, x)
         saved = secondary if layer.config.hpz else shard
         return y, (saved, residual, x)
 
@@ -230,8 +307,8 @@ def _build(layer: ShardedLayer):
         # Tie the re-gather to the cotangent so XLA cannot merge it with the
         # forward gather (which would keep the full weight alive in between).
         saved, g = lax.optimization_barrier((saved, g))
-        full = layer._gather_backward(saved)
-        params = layer.layout.unflatten(full, layer.compute_dtype)
+        saved = _tie(saved, g)
+        params = layer._gather_backward(saved)
         _, vjp = jax.vjp(layer.fn, params, x)
         g_params, g_x = vjp(g)
         shard_grad, new_residual = layer._reduce(g_params, residual)

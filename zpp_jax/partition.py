@@ -1,10 +1,19 @@
-"""Parameter pytrees <-> flat, padded fp32 primary shards.
+"""How a unit's parameters are cut into per-device shards: two layouts.
 
-All leaves of one pytree (typically one layer) are concatenated into one flat
-fp32 vector, padded to a multiple of the device count N and cut into N equal
-shards of s elements, one per device. One layer then costs one collective per
-direction, whatever its number of leaves. Leaves of any shape work (scalars,
-biases, prime sizes); padding is zero and never reaches the layer.
+Both describe a per-device vector of s elements (what one device sends when
+the unit's weights are gathered, and receives when its gradient is reduced)
+and how the N devices' vectors, stacked as rows (N, s), map back to the
+parameter pytree:
+
+* `FlatLayout`: all leaves of a pytree concatenated into one flat fp32
+  vector, padded to a multiple of N and cut into N contiguous shards; the
+  shards are the stored parameters (the low-level engine API).
+* `ParamLayout`: every parameter keeps its own shape and dtype and is split
+  evenly along one of its dimensions (per-parameter sharding, what
+  `zpp_jax.shard` stores); the per-device vector concatenates this device's
+  blocks of all of them.
+
+One unit costs one collective per direction, whatever its number of leaves.
 """
 
 from __future__ import annotations
@@ -123,6 +132,26 @@ class FlatLayout:
     def sizes(self) -> tuple[int, ...]:
         return tuple(math.prod(s) for s in self.shapes)
 
+    @property
+    def segments(self) -> tuple[tuple[int, int], ...]:
+        """(offset, length) pieces of the per-device vector that are quantized
+        on their own: the whole shard (leaves aligned with `align` keep
+        quantization blocks inside one tensor)."""
+        return ((0, self.shard_size),)
+
+    def unflatten_rows(self, rows: jax.Array, dtype=None) -> PyTree:
+        """The pytree from every device's shard, stacked as rows (N, s)."""
+        return self.unflatten(rows.reshape(-1), dtype)
+
+    def from_segments(self, values, dtype=None) -> PyTree:
+        """The pytree from every device's one segment (N, s): `unflatten_rows`."""
+        (rows,) = values
+        return self.unflatten_rows(rows, dtype)
+
+    def flatten_rows(self, tree: PyTree) -> jax.Array:
+        """fp32 rows (N, s): row d is what device d holds of `tree`."""
+        return self.flatten(tree).reshape(self.num_shards, self.shard_size)
+
     def flatten(self, tree: PyTree) -> jax.Array:
         """The padded fp32 vector (N*s,) of one layer's pytree (traceable)."""
         leaves = self.treedef.flatten_up_to(tree)
@@ -147,6 +176,155 @@ class FlatLayout:
             leaf = jax.lax.slice_in_dim(flat, off, off + n).reshape(shape)
             leaves.append(leaf.astype(dt if dtype is None else dtype))
         return self.treedef.unflatten(leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """Per-parameter sharding of one unit's parameters, as one call sees them.
+
+    Parameter i (shape `shapes[i]`) is split evenly along dimension `dims[i]`
+    into N blocks; device d holds block d. The per-device vector (s,)
+    concatenates this device's blocks, flattened, block i starting at
+    `offsets[i]`. Blocks whose size is a multiple of `weight_block` come
+    first, back to back (whole quantization blocks, so they are quantized
+    together); every other block starts at a multiple of `align` (so that
+    gradient quantization blocks never straddle two tensors). With
+    ``dims[i] == 0`` a block is a contiguous run of the parameter, and
+    reassembling it from the rows is a reshape.
+
+    Memory kept per device: 1/N of each parameter, in its own dtype.
+    """
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[Any, ...]
+    dims: tuple[int, ...]
+    offsets: tuple[int, ...]
+    num_shards: int
+    shard_size: int
+    align: int = 1
+    whole: int = 0  # length of the leading run of whole weight blocks
+
+    @classmethod
+    def from_tree(
+        cls, tree: PyTree, dims, num_shards: int, align: int = 1, weight_block: int | None = None
+    ) -> ParamLayout:
+        """Layout of `tree` (arrays or shape/dtype structs) split along `dims`
+        (one per leaf, each dividing its dimension by `num_shards`)."""
+        leaves, treedef = jax.tree.flatten(tree)
+        dims = tuple(dims)
+        if len(dims) != len(leaves):
+            raise UsageError(f"{len(leaves)} parameters but {len(dims)} shard dimensions")
+        sizes = []
+        for leaf, dim in zip(leaves, dims, strict=True):
+            shape = tuple(np.shape(leaf))
+            if not 0 <= dim < len(shape) or shape[dim] % num_shards:
+                raise UsageError(
+                    f"cannot split a parameter of shape {shape} along dimension {dim} over "
+                    f"{num_shards} devices"
+                )
+            sizes.append(math.prod(shape) // num_shards)
+        grouped = weight_block is not None and weight_block % align == 0
+        whole = [grouped and k % weight_block == 0 for k in sizes]
+        offsets, end = [0] * len(sizes), 0
+        for i in [i for i, w in enumerate(whole) if w] + [i for i, w in enumerate(whole) if not w]:
+            offsets[i] = end
+            end += -(-sizes[i] // align) * align
+        return cls(
+            treedef,
+            tuple(tuple(np.shape(x)) for x in leaves),
+            tuple(jnp.dtype(jnp.result_type(x)) for x in leaves),
+            dims,
+            tuple(offsets),
+            num_shards,
+            max(end, align),
+            align,
+            sum(k for k, w in zip(sizes, whole, strict=True) if w),
+        )
+
+    @property
+    def block_shapes(self) -> tuple[tuple[int, ...], ...]:
+        n = self.num_shards
+        return tuple(
+            s[:d] + (s[d] // n,) + s[d + 1 :] for s, d in zip(self.shapes, self.dims, strict=True)
+        )
+
+    @property
+    def slices(self) -> tuple[tuple[int, int], ...]:
+        """(offset, length) of each parameter's block in the per-device vector."""
+        return tuple(
+            (off, math.prod(b)) for off, b in zip(self.offsets, self.block_shapes, strict=True)
+        )
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        """Parameter indices in the order their blocks lie in the vector."""
+        return tuple(sorted(range(len(self.offsets)), key=self.offsets.__getitem__))
+
+    @property
+    def segments(self) -> tuple[tuple[int, int], ...]:
+        """(offset, length) pieces of the per-device vector that are quantized
+        on their own: the run of whole weight blocks, then each other
+        parameter's block. No quantization block mixes two tensors, and no
+        padding travels."""
+        rest = [self.slices[i] for i in self.order if self.slices[i][0] >= self.whole]
+        return (((0, self.whole),) if self.whole else ()) + tuple(rest)
+
+    def pack(self, blocks: PyTree) -> jax.Array:
+        """This device's blocks (a pytree like the parameters, each of its
+        block shape) -> the per-device fp32 vector (s,). Traceable; its
+        transpose hands each block its part of the vector's cotangent."""
+        leaves = self.treedef.flatten_up_to(blocks)
+        parts, end = [], 0
+        for i in self.order:
+            off, k = self.slices[i]
+            if off > end:
+                parts.append(jnp.zeros((off - end,), jnp.float32))
+            parts.append(jnp.ravel(leaves[i]).astype(jnp.float32))
+            end = off + k
+        if self.shard_size > end:
+            parts.append(jnp.zeros((self.shard_size - end,), jnp.float32))
+        return jnp.concatenate(parts)
+
+    def from_segments(self, values, dtype=None) -> PyTree:
+        """Full parameters from every device's segments: `values[j]` is
+        (N, length of segment j)."""
+        starts = [off for off, _ in self.segments]
+        n, leaves = self.num_shards, []
+        for (off, k), shape, block, dim, dt in zip(
+            self.slices, self.shapes, self.block_shapes, self.dims, self.dtypes, strict=True
+        ):
+            j = max(i for i, start in enumerate(starts) if start <= off)
+            v = values[j][:, off - starts[j] : off - starts[j] + k].reshape((n,) + block)
+            if dim:
+                v = jnp.moveaxis(v, 0, dim)
+            leaves.append(v.reshape(shape).astype(dt if dtype is None else dtype))
+        return self.treedef.unflatten(leaves)
+
+    def unflatten_rows(self, rows: jax.Array, dtype=None) -> PyTree:
+        """Full parameters from every device's vector, stacked as rows (N, s)."""
+        return self.from_segments([rows[:, o : o + k] for o, k in self.segments], dtype)
+
+    def device_rows(self, leaf: jax.Array, i: int) -> jax.Array:
+        """fp32 (N, block size): parameter i's block of every device, flattened."""
+        shape, dim, n = leaf.shape, self.dims[i], self.num_shards
+        x = leaf.astype(jnp.float32).reshape(shape[:dim] + (n, shape[dim] // n) + shape[dim + 1 :])
+        return jnp.moveaxis(x, dim, 0).reshape(n, self.slices[i][1])
+
+    def flatten_rows(self, tree: PyTree) -> jax.Array:
+        """fp32 rows (N, s): row d is device d's vector of `tree` (e.g. a
+        gradient: what the reduction delivers to device d)."""
+        leaves = self.treedef.flatten_up_to(tree)
+        n, rows, end = self.num_shards, [], 0
+        for i in self.order:
+            off, k = self.slices[i]
+            if off > end:
+                rows.append(jnp.zeros((n, off - end), jnp.float32))
+            rows.append(self.device_rows(leaves[i], i))
+            end = off + k
+        if self.shard_size > end:
+            rows.append(jnp.zeros((n, self.shard_size - end), jnp.float32))
+        return jnp.concatenate(rows, axis=1)
 
 
 def quant_float_dtypes():

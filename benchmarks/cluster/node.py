@@ -54,20 +54,17 @@ def _link_bytes(link):
 
 
 def _zpp_step(method, model_cfg, mesh, seed):
-    import jax.numpy as jnp
     import optax
     from flax import nnx
 
-    from zpp_jax import Trainer, ZeroPPConfig, nnx_parts
-    from zpp_jax.models.gpt import GPT
+    from zpp_jax import Trainer, ZeroPPConfig
+    from zpp_jax.models import GPT
 
     config = ZeroPPConfig.zero3() if method == "zero3" else ZeroPPConfig(comm_dtype="bfloat16")
     model = GPT(model_cfg, nnx.Rngs(seed))
     size = _num_params(model)
-    trainer = Trainer(
-        nnx_parts(model), optax.adamw(1e-3), mesh, config, compute_dtype=jnp.dtype(model_cfg.dtype)
-    )
-    return trainer.step, trainer.init(), trainer.batch_sharding(), size
+    trainer = Trainer(model, optax.adamw(1e-3), mesh, config)
+    return trainer.train_step, trainer.init(), trainer.batch_sharding(), size
 
 
 def _jit_step(model_cfg, mesh, seed):
@@ -78,7 +75,8 @@ def _jit_step(model_cfg, mesh, seed):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from zpp_jax.models.gpt import GPT, cross_entropy
+    from zpp_jax.models import GPT
+    from zpp_jax.train import cross_entropy
 
     n = mesh.size
     model = GPT(model_cfg, nnx.Rngs(seed))

@@ -1,9 +1,10 @@
 """A decoder-only GPT (causal attention, pre-norm) in Flax NNX.
 
-The model is three parts, the contract `zpp_jax.train` shards: `embed`
-(tokens -> hidden), `blocks` (identical blocks whose parameters are stacked
-along a leading layer axis, run under `nnx.scan` here and `lax.scan` sharded),
-and `head` (final norm + LM head -> logits).
+Three parts: `embed` (tokens -> hidden), `blocks` (identical blocks whose
+parameters are stacked along a leading layer axis by `nnx.vmap`, run under
+`nnx.scan`), and `head` (final norm + LM head -> logits). Nothing in it
+knows about sharding: `zpp_jax.shard` makes the embedding, the stack (one
+gather per layer) and the head its units.
 """
 
 from __future__ import annotations
@@ -134,9 +135,3 @@ class GPT(nnx.Module):
             return block(h)
 
         return self.head(run(self.embed(tokens), self.blocks))
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in fp32."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))

@@ -14,7 +14,7 @@ from zpp_jax.layer import ShardedLayer, stack_value_and_grad
 from zpp_jax.mesh import AXES, make_mesh, mesh_shape
 from zpp_jax.models.blocks import block, init_stack
 from zpp_jax.partition import shard_params
-from zpp_jax.report import summarize
+from zpp_jax.step_report import summarize
 
 
 def run_demo(

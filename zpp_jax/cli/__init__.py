@@ -1,4 +1,6 @@
-"""The `zpp` command (also `python -m zpp_jax`)."""
+"""The `zpp` command (also `python -m zpp_jax`): the parser, the error
+handling, and one module per subcommand (`train`, `comm`, `demo`, `plan`,
+`profile`; `launch` is `zpp_jax.launch`)."""
 
 from __future__ import annotations
 
@@ -97,7 +99,7 @@ def _use_emulated_devices(count: int) -> None:
 
 def _demo(args) -> int:
     _use_emulated_devices(args.nodes * args.local)
-    from zpp_jax.demo import run_demo
+    from zpp_jax.cli.demo import run_demo
 
     return run_demo(
         config=_config_from_args(args),
@@ -141,7 +143,7 @@ def _join_job(args) -> None:
 
 def _train(args) -> int:
     _join_job(args)
-    from zpp_jax.train_gpt import RunConfig, run
+    from zpp_jax.cli.train import RunConfig, run
 
     zero = _config_from_args(args)
     plot = args.plot
@@ -150,6 +152,7 @@ def _train(args) -> int:
     run(
         RunConfig(
             zero=zero,
+            arch=args.arch,
             model=args.model,
             seq_len=args.seq,
             nodes=args.nodes,
@@ -182,10 +185,9 @@ def _comm(args) -> int:
 
     from flax import nnx
 
-    from zpp_jax.comm import DEFAULT_CONFIGS, compare
+    from zpp_jax.cli.comm import DEFAULT_CONFIGS, compare
     from zpp_jax.mesh import make_mesh
-    from zpp_jax.models.gpt import GPT, GPTConfig
-    from zpp_jax.train import nnx_parts
+    from zpp_jax.models import GPT, GPTConfig
 
     model = GPTConfig.preset(args.model)
     if args.seq:
@@ -195,7 +197,7 @@ def _comm(args) -> int:
         raise UsageError(f"unknown configs {sorted(unknown)}; choose from {list(DEFAULT_CONFIGS)}")
     configs = {name: DEFAULT_CONFIGS[name] for name in args.configs}
     reports = compare(
-        lambda: nnx_parts(GPT(model, nnx.Rngs(0))),
+        lambda: GPT(model, nnx.Rngs(0)),
         make_mesh(args.nodes, args.local),
         args.batch,
         model.seq_len,
@@ -211,14 +213,14 @@ def _comm(args) -> int:
     )
     print(
         f"{'config':8s}{'cross-node B':>16s}{'vs ' + reports[0]['name']:>10s}"
-        f"{'intra-node B':>16s}{'peak memory B':>16s}{'state (formula) B':>19s}"
+        f"{'intra-node B':>16s}{'peak memory B':>16s}{'state B':>14s}"
     )
     for r in reports:
         ratio = base / r["cross_node_bytes"] if r["cross_node_bytes"] else float("inf")
         print(
             f"{r['name']:8s}{r['cross_node_bytes']:16,.0f}{ratio:9.2f}x"
             f"{r['intra_node_bytes']:16,.0f}{r['peak_memory_bytes']:16,}"
-            f"{r['analytic_state_bytes']:19,}"
+            f"{r['state_bytes']:14,}"
         )
     return 0
 
@@ -239,88 +241,15 @@ def _launch(args) -> int:
 
 
 def _plan(args) -> int:
-    import json
-    import math
+    from zpp_jax.cli.plan import run_plan
 
-    from zpp_jax.pipeline import AnalyticCost, best_uniform, latency, load_cost, plan_tokens
-
-    for name in ("layers", "hidden", "seq", "stages", "batch", "granularity"):
-        if getattr(args, name) <= 0:
-            raise UsageError(f"--{name} must be positive, got {getattr(args, name)}")
-    per_stage = math.ceil(args.layers / args.stages)
-    if args.cost:
-        cost = load_cost(args.cost)
-    else:
-        cost = AnalyticCost(hidden=args.hidden, layers=per_stage, flops=args.flops)
-    kw = dict(granularity=args.granularity, batch=args.batch, objective=args.objective)
-    plan = plan_tokens(args.seq, args.stages, cost, **kw)
-    uniform = best_uniform(args.seq, args.stages, cost, **kw)
-    whole = latency((args.seq,), cost, args.stages, args.batch, args.objective)
-    if args.json:
-        out = {
-            "objective": args.objective,
-            "layers_per_stage": per_stage,
-            "cost": cost.to_json(),
-            "plan": {"slices": list(plan.slices), "latency_s": plan.latency},
-            "uniform": {"slices": list(uniform.slices), "latency_s": uniform.latency},
-            "no_slicing": {"slices": [args.seq], "latency_s": whole},
-        }
-        print(json.dumps(out))
-        return 0
-    print(
-        f"{args.layers} layers on {args.stages} stages ({per_stage} per stage), hidden "
-        f"{args.hidden}, {args.batch} x {args.seq} tokens, granularity {args.granularity}, "
-        f"{'cost from ' + args.cost if args.cost else 'analytic cost'}, {args.objective} objective"
-    )
-    rows = [("planner", plan), ("best uniform", uniform)]
-    for name, p in rows:
-        speedup = whole / p.latency if p.latency > 0 else float("inf")
-        print(
-            f"{name:13s} {p.latency * 1e3:12.3f} ms  {speedup:6.2f}x vs no slicing  "
-            f"{len(p.slices)} slices: {_runs(p.slices)}"
-        )
-    print(f"{'no slicing':13s} {whole * 1e3:12.3f} ms")
-    return 0
+    return run_plan(args)
 
 
 def _profile(args) -> int:
-    from zpp_jax.models.gpt import GPTConfig
-    from zpp_jax.pipeline.cost import save_cost
-    from zpp_jax.pipeline.profile import profile_stage
+    from zpp_jax.cli.plan import run_profile
 
-    cfg = GPTConfig(
-        seq_len=max(args.lengths) + max(args.contexts),
-        d_model=args.hidden,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        d_ff=args.ffn or 4 * args.hidden,
-        dtype=args.dtype,
-    )
-    cost, _ = profile_stage(
-        cfg,
-        args.layers,
-        args.lengths,
-        args.contexts,
-        args.batch,
-        args.repeats,
-        log=print,
-        seq_len=args.seq,
-    )
-    save_cost(cost, args.out)
-    print(f"fitted cost model (one stage of {args.layers} layers) written to {args.out}")
-    return 0
-
-
-def _runs(slices) -> str:
-    """Slice lengths with repeats folded: 16x8, 4x16."""
-    out, i = [], 0
-    while i < len(slices):
-        j = i
-        while j < len(slices) and slices[j] == slices[i]:
-            j += 1
-        out.append(f"{j - i}x{slices[i]}" if j - i > 1 else str(slices[i]))
-        i = j
-    return ", ".join(out)
+    return run_profile(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -329,10 +258,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train",
-        help="train a GPT with ZeRO++ on byte-level text (the Python standard library's "
-        "sources by default)",
+        help="train a GPT or Llama-style model with ZeRO++ on byte-level text (the Python "
+        "standard library's sources by default)",
     )
-    train.add_argument("--model", default="tiny", help="tiny, small or 125m")
+    train.add_argument(
+        "--arch", default="gpt", choices=("gpt", "llama"), help="the model family (default gpt)"
+    )
+    train.add_argument(
+        "--model", default="tiny", help="size preset: tiny, small (both), 125m (gpt)"
+    )
     train.add_argument("--seq", type=int, default=None, help="sequence length (preset's)")
     train.add_argument(
         "--nodes", type=int, default=None, help="default 2, or the job's process count"

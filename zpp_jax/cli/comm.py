@@ -1,0 +1,49 @@
+"""`zpp comm`: what one training step communicates and keeps, per
+configuration, read from the compiled program (nothing is run).
+
+For each configuration the model's training step is compiled on the mesh;
+every collective of its HLO is listed (kind, dtypes, bytes, replica groups,
+runs per step with loop trip counts, whether its group spans nodes) and the
+per-device bytes per step are totalled by the ring model, across and inside
+nodes. Peak memory per device comes from `memory_analysis()`, next to the
+bytes of the training state one device holds (parameters, optimizer state,
+error-feedback residuals).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from zpp_jax.config import ZeroPPConfig
+from zpp_jax.step_report import step_report
+from zpp_jax.train import Trainer
+
+DEFAULT_CONFIGS = {
+    "zero3": ZeroPPConfig.zero3(),
+    "qwz": ZeroPPConfig(comm_dtype="bfloat16", hpz=False, quantize_gradients=False),
+    "hpz": ZeroPPConfig.zero3(hpz=True),
+    "qgz": ZeroPPConfig(comm_dtype="bfloat16", quantize_weights=False, hpz=False),
+    "zeropp": ZeroPPConfig(comm_dtype="bfloat16"),
+}
+
+
+def compare(
+    make_model: Callable[[], nnx.Module], mesh, batch: int, seq_len: int, configs=None
+) -> list[dict]:
+    """`step_report` of a language model's training step (AdamW) for each
+    configuration (default: ZeRO-3, each technique alone, all three), on
+    token batches of `batch` x `seq_len`."""
+    configs = DEFAULT_CONFIGS if configs is None else configs
+    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    reports = []
+    for name, cfg in configs.items():
+        trainer = Trainer(make_model(), optax.adamw(1e-3), mesh, cfg)
+        report = step_report(trainer, {"inputs": tokens, "targets": tokens})
+        reports.append({"name": name, "config": dataclasses.asdict(cfg), **report})
+    return reports

@@ -1,0 +1,304 @@
+"""`zpp train`: train a reference language model with ZeRO++ on byte-level text.
+
+Three parts, each its own function:
+
+* `build(cfg)`: the data, the model (`--arch gpt` or `llama`), the
+  optimizer, the `Trainer`, the checkpointer, and the state (fresh, or
+  restored with ``resume``);
+* `loop(job)`: the steps, with evaluation and checkpoints; yields a record
+  per step;
+* `Output`: what a run writes: metrics (JSON lines), progress bar and log
+  lines, the loss plot; one process writes in a multi-process job.
+
+`run(cfg)` is the three together. A run is reproducible bit for bit from its
+seed and resumable from its checkpoints at the exact batch where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from zpp_jax.checkpoint import Checkpointer
+from zpp_jax.config import ZeroPPConfig
+from zpp_jax.data import ByteDataset, host_to_global, load_text, stdlib_corpus
+from zpp_jax.errors import UsageError
+from zpp_jax.mesh import make_mesh
+from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
+from zpp_jax.step_report import summarize
+from zpp_jax.train import Trainer
+
+ARCHS = ("gpt", "llama")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One training run. The model is `arch` at size `model` (a preset)."""
+
+    zero: ZeroPPConfig = ZeroPPConfig(comm_dtype="bfloat16")
+    arch: str = "gpt"
+    model: str = "tiny"
+    seq_len: int | None = None
+    nodes: int = 2
+    local: int = 4
+    batch: int = 16
+    grad_accum: int = 1
+    steps: int = 200
+    lr: float = 3e-3
+    warmup: int = 20
+    clip: float = 1.0
+    weight_decay: float = 0.1
+    compute_dtype: str = "bfloat16"
+    seed: int = 0
+    data: str | None = None
+    eval_every: int = 50
+    eval_batches: int = 4
+    metrics: str | None = None
+    plot: str | None = None
+    ckpt_dir: str | None = None
+    ckpt_every: int = 0
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "local", "batch", "grad_accum", "steps", "eval_batches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise UsageError(f"{name} must be a positive int, got {v!r}")
+        if self.ckpt_every < 0 or self.eval_every < 0:
+            raise UsageError("ckpt_every and eval_every must be >= 0 (0: never)")
+        if (self.ckpt_every or self.resume) and not self.ckpt_dir:
+            raise UsageError("checkpointing and --resume need --ckpt-dir")
+        if self.arch not in ARCHS:
+            raise UsageError(f"unknown architecture {self.arch!r}; choose one of {ARCHS}")
+
+
+# -- build ----------------------------------------------------------------------
+
+
+def model_config(cfg: RunConfig) -> GPTConfig | LlamaConfig:
+    config_class = GPTConfig if cfg.arch == "gpt" else LlamaConfig
+    model_cfg = config_class.preset(cfg.model, dtype=cfg.compute_dtype)
+    if cfg.seq_len:
+        model_cfg = dataclasses.replace(model_cfg, seq_len=cfg.seq_len)
+    return model_cfg
+
+
+def make_model(cfg: RunConfig) -> nnx.Module:
+    """The run's model, its parameters drawn from `cfg.seed`."""
+    model_class = GPT if cfg.arch == "gpt" else Llama
+    return model_class(model_config(cfg), nnx.Rngs(cfg.seed))
+
+
+def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
+    """AdamW with linear warmup and cosine decay, after global-norm clipping."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1), cfg.lr * 0.1
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay),
+    )
+
+
+def make_trainer(cfg: RunConfig) -> Trainer:
+    """The model, optimizer, mesh and `Trainer` of a run."""
+    return Trainer(
+        make_model(cfg),
+        make_optimizer(cfg),
+        make_mesh(cfg.nodes, cfg.local),
+        cfg.zero,
+        grad_accum=cfg.grad_accum,
+    )
+
+
+@dataclasses.dataclass
+class Job:
+    """Everything `loop` needs: built once, then stepped."""
+
+    cfg: RunConfig
+    model_cfg: Any
+    data: ByteDataset
+    trainer: Trainer
+    checkpointer: Checkpointer | None
+    state: Any
+    position: int  # batches consumed: where the run resumes
+    train_step: Any = None
+    eval_step: Any = None
+    cross_node_bytes: float = 0.0
+    intra_node_bytes: float = 0.0
+
+    def batch(self, split: str, index: int) -> dict:
+        rows = self.data.batch(split, index, self.cfg.batch, self.cfg.seed)
+        return host_to_global(rows, self.trainer.batch_sharding())
+
+
+def build(cfg: RunConfig) -> Job:
+    """Data, model, trainer, checkpointer and state; the steps compiled."""
+    model_cfg = model_config(cfg)
+    data = ByteDataset(load_text(cfg.data) if cfg.data else stdlib_corpus(), model_cfg.seq_len)
+    trainer = make_trainer(cfg)
+    trainer.check_batch_size(cfg.batch)
+    checkpointer = Checkpointer(cfg.ckpt_dir) if cfg.ckpt_dir else None
+    state, position = trainer.init(), 0
+    if cfg.resume and checkpointer.latest_step() is not None:
+        state, meta = checkpointer.restore(trainer.abstract_state())
+        position = meta["data_position"]
+    job = Job(cfg, model_cfg, data, trainer, checkpointer, state, position)
+    job.train_step = trainer.train_step.lower(state, job.batch("train", 0)).compile()
+    job.eval_step = trainer.eval_step.lower(state, job.batch("val", 0)).compile()
+    moved = summarize(job.train_step.as_text(), cfg.local)
+    job.cross_node_bytes, job.intra_node_bytes = moved.cross_node_bytes, moved.intra_node_bytes
+    return job
+
+
+# -- loop -------------------------------------------------------------------------
+
+
+def loop(job: Job) -> Iterator[dict]:
+    """Train from `job.position` to `cfg.steps`; yields each step's record
+    (`step`, `loss`, `grad_norm`, `skipped`, `tokens_per_s`,
+    `cross_node_bytes`, and `val_loss` where evaluated). Checkpoints are
+    numbered by data position, which every step advances."""
+    cfg = job.cfg
+    tokens_per_step = cfg.batch * job.model_cfg.seq_len
+    while job.position < cfg.steps:
+        start = time.perf_counter()
+        job.state, metrics = job.train_step(job.state, job.batch("train", job.position))
+        loss = float(metrics["loss"])
+        elapsed = time.perf_counter() - start
+        job.position += 1
+        record = {
+            "step": job.position,
+            "loss": loss,
+            "grad_norm": float(metrics["grad_norm"]),
+            "skipped": int(metrics["skipped"]),
+            "tokens_per_s": tokens_per_step / elapsed,
+            "cross_node_bytes": job.cross_node_bytes,
+        }
+        last = job.position == cfg.steps
+        if (cfg.eval_every and job.position % cfg.eval_every == 0) or last:
+            record["val_loss"] = evaluate(job)
+        if job.checkpointer and ((cfg.ckpt_every and job.position % cfg.ckpt_every == 0) or last):
+            job.checkpointer.save(job.position, job.state, data_position=job.position)
+        yield record
+
+
+def evaluate(job: Job) -> float:
+    """Mean loss over the first `eval_batches` validation batches."""
+    losses = [
+        float(job.eval_step(job.state, job.batch("val", i))) for i in range(job.cfg.eval_batches)
+    ]
+    return float(np.mean(losses))
+
+
+# -- output -----------------------------------------------------------------------
+
+
+class Output:
+    """Metrics file, progress bar and log lines of a run (written by
+    process 0 only), and the loss plot at the end."""
+
+    def __init__(self, cfg: RunConfig, position: int) -> None:
+        self.cfg = cfg
+        self.lead = jax.process_index() == 0
+        for path in (cfg.metrics, cfg.plot):
+            if path and self.lead:
+                pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.file = None
+        if cfg.metrics and self.lead:
+            self.file = open(cfg.metrics, "a" if cfg.resume else "w")  # noqa: SIM115
+        self.bar = None
+        if cfg.progress and self.lead:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.steps, initial=position, desc="train", dynamic_ncols=True)
+
+    def log(self, message: str) -> None:
+        if self.cfg.progress and self.lead:
+            from tqdm import tqdm
+
+            tqdm.write(message)
+
+    def record(self, rec: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
+        if self.bar is not None:
+            self.bar.set_postfix(
+                loss=f"{rec['loss']:.4f}",
+                tok_s=f"{rec['tokens_per_s']:,.0f}",
+                xnode_MB=f"{rec['cross_node_bytes'] / 1e6:.2f}",
+            )
+            self.bar.update(1)
+
+    def close(self, records: list[dict]) -> None:
+        if self.file:
+            self.file.close()
+        if self.bar is not None:
+            self.bar.close()
+        if records:
+            last = records[-1]
+            self.log(
+                f"step {last['step']}: loss {last['loss']:.4f}, "
+                f"val_loss {last.get('val_loss', float('nan')):.4f}"
+            )
+        if self.cfg.plot and self.lead:
+            plot_losses(self.cfg.metrics, self.cfg.plot, records)
+
+
+def plot_losses(metrics_file: str | None, path: str, records: list[dict]) -> None:
+    """PNG of train and validation loss (all records of `metrics_file` if given)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if metrics_file and pathlib.Path(metrics_file).exists():
+        with open(metrics_file) as f:
+            records = [json.loads(line) for line in f]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train", lw=1)
+    val = [r for r in records if "val_loss" in r]
+    ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per byte)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- all three ----------------------------------------------------------------------
+
+
+def run(cfg: RunConfig) -> list[dict]:
+    """Train; returns the metrics records (also written to `cfg.metrics`)."""
+    job = build(cfg)
+    output = Output(cfg, job.position)
+    if job.position:
+        output.log(f"resumed at batch {job.position} from {cfg.ckpt_dir}")
+    params = sum(x.size for x in jax.tree.leaves(nnx.filter_state(job.state[0], nnx.Param)))
+    output.log(
+        f"{cfg.arch} {cfg.model}: {params:,} parameters; mesh {cfg.nodes} x {cfg.local}; "
+        f"{cfg.zero}; per device per step {job.cross_node_bytes:,.0f} B across nodes, "
+        f"{job.intra_node_bytes:,.0f} B inside"
+    )
+    records = []
+    try:
+        for rec in loop(job):
+            records.append(rec)
+            output.record(rec)
+    finally:
+        output.close(records)
+    return records

@@ -1,0 +1,188 @@
+"""A Llama-style decoder in Flax NNX, written as a user writes one.
+
+RMSNorm, rotary position embeddings, a SwiGLU MLP, grouped-query attention
+(fewer key/value heads than query heads) and an untied LM head. The layers
+are a Python list (`nnx.List`) called in a loop, or, with ``scan=True``, one
+stacked module (`nnx.vmap`) run by `nnx.scan`. Nothing in it knows about
+sharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zpp_jax.errors import UsageError
+
+_PRESETS = {
+    "tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, seq_len=64),
+    "small": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, d_ff=768, seq_len=128),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Model sizes. `dtype` is the compute dtype; parameters are fp32."""
+
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 192
+    rope_theta: float = 10000.0
+    dtype: str = "float32"
+    scan: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise UsageError(f"LlamaConfig.{name} must be a positive int, got {v!r}")
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise UsageError(
+                f"d_model={self.d_model} must split into {self.n_heads} heads of even size"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise UsageError(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> LlamaConfig:
+        """`tiny` (tests) or `small`."""
+        if name not in _PRESETS:
+            raise UsageError(f"unknown model size {name!r}; choose one of {sorted(_PRESETS)}")
+        return cls(**{**_PRESETS[name], **overrides})
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, d: int, eps: float = 1e-6):
+        self.scale = nnx.Param(jnp.ones((d,)))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(x.dtype)
+
+
+def rotary(x, positions, theta: float):
+    """Rotate pairs of features of x (batch, tokens, heads, head_dim) by
+    their position times a per-pair frequency."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions[..., None].astype(jnp.float32) * freq  # (batch, tokens, half)
+    cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        d, hd, dt = cfg.d_model, cfg.head_dim, cfg.dtype
+        init = nnx.initializers.normal(0.02)
+        kw = dict(use_bias=False, kernel_init=init, dtype=dt, rngs=rngs)
+        self.q = nnx.Linear(d, cfg.n_heads * hd, **kw)
+        self.k = nnx.Linear(d, cfg.n_kv_heads * hd, **kw)
+        self.v = nnx.Linear(d, cfg.n_kv_heads * hd, **kw)
+        self.o = nnx.Linear(cfg.n_heads * hd, d, **kw)
+        self.cfg = cfg
+
+    def __call__(self, x, positions, mask):
+        b, t, _ = x.shape
+        cfg, hd = self.cfg, self.cfg.head_dim
+        q = rotary(self.q(x).reshape(b, t, cfg.n_heads, hd), positions, cfg.rope_theta)
+        k = rotary(self.k(x).reshape(b, t, cfg.n_kv_heads, hd), positions, cfg.rope_theta)
+        v = self.v(x).reshape(b, t, cfg.n_kv_heads, hd)
+        group = cfg.n_heads // cfg.n_kv_heads
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd)
+        scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        return self.o(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, -1))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.02)
+        kw = dict(use_bias=False, kernel_init=init, dtype=cfg.dtype, rngs=rngs)
+        self.gate = nnx.Linear(cfg.d_model, cfg.d_ff, **kw)
+        self.up = nnx.Linear(cfg.d_model, cfg.d_ff, **kw)
+        self.down = nnx.Linear(cfg.d_ff, cfg.d_model, **kw)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, positions, mask):
+        x = x + self.attn(self.attn_norm(x), positions, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nnx.Module):
+    """``Llama(cfg, rngs)(tokens, positions=None, mask=None) -> logits``
+    (fp32). `positions` default to 0..t-1, `mask` (batch, t, t) to causal."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = nnx.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            embedding_init=nnx.initializers.normal(0.02),
+            dtype=cfg.dtype,
+            rngs=rngs,
+        )
+        if cfg.scan:
+
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return DecoderLayer(cfg, rngs)
+
+            self.layers = make(rngs)
+        else:
+            self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.norm = RMSNorm(cfg.d_model)
+        self.lm_head = nnx.Linear(
+            cfg.d_model,
+            cfg.vocab_size,
+            use_bias=False,
+            kernel_init=nnx.initializers.normal(0.02),
+            dtype=cfg.dtype,
+            rngs=rngs,
+        )
+
+    def __call__(self, tokens, positions=None, mask=None):
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        if mask is None:
+            mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+        x = self.embed(tokens)
+        if self.cfg.scan:
+
+            @nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=nnx.Carry)
+            def run(x, layer, positions, mask):
+                return layer(x, positions, mask)
+
+            x = run(x, self.layers, positions, mask)
+        else:
+            for layer in self.layers:
+                x = layer(x, positions, mask)
+        return self.lm_head(self.norm(x)).astype(jnp.float32)

@@ -1,0 +1,425 @@
+"""`zpp_jax.shard`: any Flax NNX model, sharded per submodule.
+
+``model = zpp.shard(model, mesh, config)`` picks *units* (submodules: each
+layer of a list, a scanned stack, every other child with parameters; or the
+ones a `policy` names), stores every parameter sharded over (`node`, `local`)
+in its own shape and dtype, and makes each unit's ``__call__`` go through the
+engine: gather the unit's weights (qwZ, hpZ), run the unit's own code on this
+device's part of the batch, and in the backward pass re-gather and reduce the
+weight gradient (qgZ). Everything else (the model's own ``__call__``, the
+loss, parameters used outside a unit call, tied weights) runs as ordinary
+`jax.jit` code on sharded global arrays, so a loss written as on one device
+is the global batch's.
+
+Inside a unit call each device runs the unit's code on its rows of the batch:
+
+* array arguments whose leading axis has the length of the first array
+  argument's are split with it along that axis; other arguments (positions,
+  flags, tables) reach every device whole;
+* outputs with that leading axis come back as one batch; other float outputs
+  are averaged over the devices (right for a per-batch mean);
+* `nnx.BatchNorm` inside a unit averages its statistics over all devices, so
+  they equal the statistics of the global batch;
+* random streams give every device its own key (folded with the device
+  index): dropout masks differ across devices and follow from the seed;
+* other state of the unit (batch statistics, random counters) must come out
+  the same on every device, as these do.
+
+The memory a unit keeps from its forward to its backward pass is its inputs
+and, with hpZ, its secondary shard: never its full weights.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zpp_jax.config import ZeroPPConfig
+from zpp_jax.errors import UsageError
+from zpp_jax.mesh import AXES, mesh_shape
+from zpp_jax.partition import quant_float_dtypes
+from zpp_jax.unit import (
+    UnitInfo,
+    check_units,
+    residual_size,
+    run_unit,
+    shard_dim,
+    spec_along,
+)
+
+Path = tuple
+Policy = Callable[[Path, nnx.Module], bool] | Sequence[type] | Sequence[Path] | None
+
+
+class FeedbackResidual(nnx.Variable):
+    """A unit's error-feedback residual (with ``config.error_feedback``): the
+    rounding error of its quantized gradient reduction, per device, carried
+    to the next step. Not a parameter: the optimizer never sees it."""
+
+
+# -- choosing units -----------------------------------------------------------
+
+
+def _children(module: nnx.Module) -> list[tuple[Path, nnx.Module]]:
+    """Direct child modules, elements of module lists and dicts included, with
+    their paths relative to `module`."""
+    out = []
+    for path, node in nnx.iter_modules(module):
+        if path and isinstance(node, nnx.Module) and not isinstance(node, nnx.List | nnx.Dict):
+            # a direct child: no module between it and `module` but containers
+            parents = [path[:i] for i in range(1, len(path))]
+            if all(_is_container(_get(module, p)) for p in parents):
+                out.append((path, node))
+    return out
+
+
+def _is_container(node) -> bool:
+    return isinstance(node, nnx.List | nnx.Dict | list | tuple | dict)
+
+
+def _get(module, path):
+    node = module
+    for key in path:
+        node = (
+            node[key]
+            if isinstance(node, nnx.List | nnx.Dict | list | tuple | dict)
+            else (getattr(node, key))
+        )
+    return node
+
+
+def _has_params(module: nnx.Module) -> bool:
+    return bool(jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+def _has_layers(module: nnx.Module) -> bool:
+    """A list or dict of modules, or a stacked module, somewhere inside."""
+    for path, node in nnx.iter_modules(module):
+        if path and (_is_container(_get(module, path[:-1])) or _looks_stacked(node)):
+            return True
+    return False
+
+
+def _looks_stacked(module: nnx.Module) -> bool:
+    """A module made by `nnx.vmap` (a stack of layers for `nnx.scan`): every
+    variable shares one leading axis, and it has submodules or random streams
+    of its own (a lone `nnx.Linear` whose dimensions happen to agree is not a
+    stack). Only where units are cut and how they are stored depend on it."""
+    variables = jax.tree.leaves(nnx.state(module))
+    if not variables or not all(np.ndim(v) >= 1 for v in variables):
+        return False
+    if len({np.shape(v)[0] for v in variables}) != 1:
+        return False
+    has_children = any(path for path, _ in nnx.iter_modules(module))
+    has_rng = bool(jax.tree.leaves(nnx.state(module, nnx.RngKey)))
+    return has_children or has_rng
+
+
+def default_units(model: nnx.Module) -> list[Path]:
+    """The units `zpp.shard` picks when no policy is given. Descending from
+    the model through modules that hold layers (a list or dict of modules,
+    or a stacked module, somewhere inside): every element of a list or dict
+    of modules is a unit (a layer, whatever it holds), every stacked module
+    is one (one gather per layer under `nnx.scan`), and so is every other
+    child with parameters. Parameters held directly by the modules passed
+    through are sharded too, and gathered by XLA where they are used."""
+    units = []
+
+    def visit(path, module, top):
+        if not top and (_looks_stacked(module) or not _has_layers(module)):
+            if _has_params(module):
+                units.append(path)
+            return
+        for sub, child in _children(module):
+            if len(sub) > 1:  # an element of a list or dict of modules: a layer
+                if _has_params(child):
+                    units.append(path + sub)
+            else:
+                visit(path + sub, child, False)
+
+    visit((), model, True)
+    return units
+
+
+def _select(model: nnx.Module, policy: Policy) -> list[Path]:
+    if policy is None:
+        units = default_units(model)
+    else:
+        modules = [(p, m) for p, m in nnx.iter_modules(model) if not _is_container(m)]
+        if callable(policy) and not isinstance(policy, type):
+            units = [p for p, m in modules if policy(p, m)]
+        elif all(isinstance(x, type) for x in policy):
+            units = [p for p, m in modules if isinstance(m, tuple(policy))]
+        else:
+            wanted = [tuple(p) for p in policy]
+            known = {p for p, _ in modules}
+            missing = [p for p in wanted if p not in known]
+            if missing:
+                raise UsageError(f"the policy names modules the model does not have: {missing}")
+            units = wanted
+    units = [p for p in units if _has_params(_get(model, p))]
+    check_units(
+        units,
+        "give zpp.shard a policy that names submodules (a function (path, module) -> bool, "
+        "module types, or paths), or policy=None for the default",
+    )
+    return units
+
+
+def _name(path: Path) -> str:
+    return "/".join(str(k) for k in path) or "<the model>"
+
+
+# -- storage -------------------------------------------------------------------
+
+
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    """`cls` with its ``__call__`` routed through the engine (one subclass per
+    class, so that identical units have identical graph definitions)."""
+    if cls not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[cls] = type(
+            cls.__name__, (cls,), {"__call__": _unit_call, "_zpp_base": cls}
+        )
+    return _SHARDED_CLASSES[cls]
+
+
+def shard(
+    model: nnx.Module,
+    mesh: Mesh,
+    config: ZeroPPConfig | None = None,
+    policy: Policy = None,
+    compute_dtype=None,
+) -> nnx.Module:
+    """Shard `model` for ZeRO++ over `mesh` (a `make_mesh` mesh), in place.
+
+    Returns the same module. Its ``__call__`` and the standard NNX loop
+    (`nnx.Optimizer(model, tx, wrt=nnx.Param)`, `nnx.value_and_grad`,
+    `nnx.jit`, `model.train()` / `model.eval()`) work unchanged; every
+    parameter keeps its path, shape and dtype, stored split over the devices
+    along its first dimension that the device count divides (or whole, if
+    none does). Feed batches sharded along their first axis
+    (`zpp.batch_sharding(mesh)`).
+
+    Args:
+      policy: which submodules are units. None: `default_units`. A function
+        ``(path, module) -> bool``, a sequence of module types, or a sequence
+        of paths. Units must not contain each other.
+      compute_dtype: cast each unit's gathered weights to this dtype (mixed
+        precision). Default None: the model's own dtypes, unchanged.
+
+    With ``config.error_feedback`` each unit also holds a `FeedbackResidual`;
+    take gradients with `zpp.value_and_grad` (or `zpp.grad`) so that it is
+    carried from step to step.
+
+    Memory per device: each parameter's block (1/N) in its own dtype, whole
+    copies of parameters no dimension of which N divides, and with error
+    feedback (1 + 1/local) x each unit's size in ``config.residual_dtype``.
+
+    Raises:
+      UsageError: a mesh without (`node`, `local`) axes, a policy that selects
+        no unit or overlapping units, a parameter that is not floating point.
+    """
+    config = ZeroPPConfig() if config is None else config
+    if not isinstance(model, nnx.Module):
+        raise UsageError(
+            f"zpp.shard takes a Flax NNX module, got {type(model).__name__}; for Linen use "
+            "zpp.shard_linen"
+        )
+    nodes, local = mesh_shape(mesh)
+    n = nodes * local
+    floats = quant_float_dtypes()
+    for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        dtype = jnp.result_type(value.get_value())
+        if jnp.dtype(dtype) not in floats:
+            raise UsageError(
+                f"parameter {_name(path)} has dtype {jnp.dtype(dtype).name}; ZeRO++ shards "
+                "float32, bfloat16 and float16 parameters. Keep integer state in another "
+                "nnx.Variable type (not nnx.Param), or cast it to a float dtype"
+            )
+    units = _select(model, policy)
+    unit_paths = set(units)
+    for path in units:
+        _make_unit(_get(model, path), mesh, config, compute_dtype, n, (nodes, local))
+    # Parameters outside every unit: stored split the same way, gathered by
+    # XLA (unquantized) where the model's own code uses them.
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if any(path[: len(u)] == u for u in unit_paths):
+            continue
+        value = var.get_value()
+        dim = shard_dim(np.shape(value), n, stacked=False)
+        var.set_value(jax.device_put(value, NamedSharding(mesh, spec_along(np.ndim(value), dim))))
+    return model
+
+
+def _make_unit(module, mesh, config, compute_dtype, n, shape):
+    stacked = _looks_stacked(module)
+    params = nnx.to_flat_state(nnx.state(module, nnx.Param))
+    dims = []
+    for path, var in params:
+        value = var.get_value()
+        dim = shard_dim(np.shape(value), n, stacked)
+        var.set_value(jax.device_put(value, NamedSharding(mesh, spec_along(np.ndim(value), dim))))
+        dims.append((path, dim, np.ndim(value)))
+    if config.error_feedback:
+        lead = 1 if stacked else 0
+        call = [
+            (np.shape(var.get_value())[lead:], jnp.float32, dim - lead)
+            for (_, var), (_, dim, _) in zip(params, dims, strict=True)
+            if dim is not None and dim >= lead
+        ]
+        if call:
+            size = residual_size(config, call, shape)
+            lead_shape = np.shape(params[0][1].get_value())[:1] if stacked else ()
+            module._zpp_residual = FeedbackResidual(
+                jax.device_put(
+                    jnp.zeros(lead_shape + (size,), config.residual_dtype),
+                    NamedSharding(mesh, spec_along(len(lead_shape) + 1, len(lead_shape))),
+                )
+            )
+    module._zpp = UnitInfo(
+        mesh, config, None if compute_dtype is None else jnp.dtype(compute_dtype), tuple(dims)
+    )
+    module.__class__ = _sharded_class(type(module))
+
+
+# -- one call of a unit ----------------------------------------------------------
+
+_REST = nnx.Not(nnx.Any(nnx.Param, FeedbackResidual))
+
+
+def _unit_call(self, *args, **kwargs):
+    """A unit's ``__call__``: the engine around the class's own."""
+    info: UnitInfo = self._zpp
+    base = type(self)._zpp_base
+    graphdef, params, feedback, rest = nnx.split(self, nnx.Param, FeedbackResidual, _REST)
+    param_items = nnx.to_flat_state(params)
+    feedback_items = nnx.to_flat_state(feedback)
+    rest_items = nnx.to_flat_state(rest)
+    stored = {path: (dim, ndim) for path, dim, ndim in info.dims}
+
+    def run(values, rest_values, call_args, call_kwargs):
+        module = nnx.merge(
+            graphdef,
+            _state(param_items, [values[p] for p, _ in param_items]),
+            _state(feedback_items, [jnp.zeros((), v.dtype) for _, v in feedback_items]),
+            _state(rest_items, rest_values),
+        )
+        for _, sub in nnx.iter_modules(module):
+            if isinstance(sub, nnx.BatchNorm) and sub.axis_name is None:
+                sub.axis_name = AXES  # statistics of the global batch
+        out = base.__call__(module, *call_args, **call_kwargs)
+        return out, [v.get_value() for _, v in nnx.to_flat_state(nnx.state(module, _REST))]
+
+    out, new_rest = run_unit(
+        info,
+        type(self).__name__,
+        [(p, var.get_value(), *stored[p]) for p, var in param_items],
+        [(var.get_value(), isinstance(var, nnx.RngKey)) for _, var in rest_items],
+        feedback_items[0][1].get_value() if feedback_items else None,
+        args,
+        kwargs,
+        run,
+    )
+    nnx.update(self, _state(rest_items, new_rest))
+    return out
+
+
+def _state(items, values) -> nnx.State:
+    """A flat state's items with new values (variables keep their type)."""
+    return nnx.from_flat_state(
+        [
+            (p, v.replace(x) if isinstance(v, nnx.Variable) else x)
+            for (p, v), x in zip(items, values, strict=True)
+        ]
+    )
+
+
+# -- after training -----------------------------------------------------------------
+
+
+def unshard(model: nnx.Module) -> nnx.Module:
+    """A plain copy of a `shard`ed model: its own classes, every parameter
+    whole on every device (evaluation, generation, export), no
+    error-feedback residuals. The sharded model is left as it is.
+
+    Memory: the full model on every device.
+    """
+    graphdef, state = nnx.split(model)
+    plain = nnx.merge(graphdef, state)
+    mesh = None
+    for _, module in nnx.iter_modules(plain):
+        info = getattr(module, "_zpp", None)
+        if isinstance(info, UnitInfo):
+            mesh = info.mesh
+            module.__class__ = type(module)._zpp_base
+            del module._zpp
+            if hasattr(module, "_zpp_residual"):
+                del module._zpp_residual
+    if mesh is None:
+        raise UsageError("zpp.unshard takes a model made by zpp.shard")
+    replicated = NamedSharding(mesh, P())
+    for _, var in nnx.to_flat_state(nnx.state(plain, nnx.Param)):
+        var.set_value(jax.device_put(var.get_value(), replicated))
+    return plain
+
+
+def _with_feedback(argnums):
+    """The `wrt` of a gradient that also carries the error-feedback residuals."""
+    wrt = nnx.Any(nnx.Param, FeedbackResidual)
+    if isinstance(argnums, int):
+        return nnx.DiffState(argnums, wrt), (argnums,)
+    return tuple(nnx.DiffState(a, wrt) for a in argnums), tuple(argnums)
+
+
+def value_and_grad(f: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
+    """`nnx.value_and_grad` with respect to the parameters (`nnx.Param`) of
+    the modules at `argnums`, for `shard`ed models with or without error
+    feedback: each unit's new `FeedbackResidual` is written into its module,
+    and the gradients returned hold the parameters only (what
+    `nnx.Optimizer.update` takes). Without error feedback it is
+    ``nnx.value_and_grad(f, argnums=argnums)``."""
+    diff, positions = _with_feedback(argnums)
+    inner = nnx.value_and_grad(f, argnums=diff, has_aux=has_aux)
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        value, grads = inner(*args, **kwargs)
+        grads_t = (grads,) if isinstance(argnums, int) else tuple(grads)
+        out = []
+        for pos, g in zip(positions, grads_t, strict=True):
+            params, residuals = nnx.split_state(g, nnx.Param, FeedbackResidual)
+            if jax.tree.leaves(residuals):
+                nnx.update(args[pos], residuals)  # the next step's residuals
+            out.append(params)
+        return value, (out[0] if isinstance(argnums, int) else tuple(out))
+
+    return wrapper
+
+
+def grad(f: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
+    """`value_and_grad` without the value (nor the aux, which it returns
+    with the gradients as ``(grads, aux)`` when `has_aux`)."""
+    vg = value_and_grad(f, argnums, has_aux)
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        value, grads = vg(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return wrapper
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches for a `shard`ed model: the leading axis over every device."""
+    mesh_shape(mesh)
+    return NamedSharding(mesh, P(AXES))

@@ -1,0 +1,261 @@
+"""`zpp_jax.shard_linen`: the same as `zpp_jax.shard`, for Flax Linen.
+
+``model, variables = zpp.shard_linen(model, variables, mesh, config)``
+returns the model wrapped so that its chosen submodules (units) run through
+the engine, and the variables with every parameter split over (`node`,
+`local`) in its own shape. The training loop keeps its shape: call
+``model.apply(variables, x, rngs=..., mutable=["batch_stats"])`` as before
+and take gradients with respect to ``variables["params"]``.
+
+A unit is a submodule called as ``submodule(...)`` (its ``__call__``); its
+calls are intercepted (`flax.linen.intercept_methods`) and run as in
+`zpp_jax.unit.run_unit`. `nn.BatchNorm` inside a unit averages its
+statistics over every device. Modules lifted by `nn.scan` are not split per
+layer: make their parent, or another module, the unit.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zpp_jax.config import ZeroPPConfig
+from zpp_jax.errors import UsageError
+from zpp_jax.mesh import AXES, mesh_shape
+from zpp_jax.partition import quant_float_dtypes
+from zpp_jax.unit import UnitInfo, check_units, run_unit, shard_dim, spec_along
+
+_ON_DEVICE = contextvars.ContextVar("zpp_linen_on_device", default=False)
+_LAYER_NAME = re.compile(r"^(.*)_(\d+)$")
+
+
+def default_linen_units(params: dict) -> list[tuple[str, ...]]:
+    """Units chosen from the parameter tree, as `zpp.default_units` does for
+    NNX. A list of layers is two or more children named ``<name>_<i>`` with
+    one prefix, each holding submodules of its own (as a Python list of
+    blocks is named; ``Dense_0``, ``Dense_1`` of one block are not layers).
+    Descending from the root through modules that hold such a list, every
+    layer of it is a unit, and so is every other child with parameters.
+    Parameters held directly by the modules passed through are split too,
+    and gathered by XLA where they are used."""
+    units = []
+
+    def children(tree):
+        return [k for k, v in tree.items() if isinstance(v, dict)]
+
+    def layers(tree):
+        """Names of the children that are layers of a list."""
+        groups: dict[str, list[str]] = {}
+        for k in children(tree):
+            m = _LAYER_NAME.match(k)
+            if m and children(tree[k]):
+                groups.setdefault(m.group(1), []).append(k)
+        return {k for names in groups.values() if len(names) >= 2 for k in names}
+
+    def has_layers(tree):
+        return bool(layers(tree)) or any(has_layers(tree[k]) for k in children(tree))
+
+    def visit(path, tree, top):
+        if not top and not has_layers(tree):
+            units.append(path)
+            return
+        listed = layers(tree)
+        for k in children(tree):
+            if k in listed:
+                units.append(path + (k,))
+            else:
+                visit(path + (k,), tree[k], False)
+
+    visit((), params, True)
+    return units
+
+
+class ShardedLinen:
+    """A Linen module whose units run through the engine. ``apply`` is the
+    module's own; everything else is delegated to the module."""
+
+    def __init__(self, module: nn.Module, units: dict[tuple, UnitInfo]) -> None:
+        self.module = module
+        self.units = units
+
+    def apply(self, variables, *args, **kwargs):
+        with nn.intercept_methods(self._intercept):
+            return self.module.apply(variables, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+    def _intercept(self, next_fun, args, kwargs, context):
+        module = context.module
+        if _ON_DEVICE.get():  # inside a unit: its own interceptor applies
+            return next_fun(*args, **kwargs)
+        info = self.units.get(tuple(module.path))
+        if info is None or context.method_name != "__call__":
+            return next_fun(*args, **kwargs)
+        return _call_unit(module, info, args, kwargs)
+
+
+def _call_unit(module: nn.Module, info: UnitInfo, args, kwargs):
+    variables = module.variables
+    params = flatten_dict(dict(variables.get("params", {})))
+    others = {c: flatten_dict(dict(t)) for c, t in variables.items() if c != "params"}
+    mutable = [c for c in others if module.is_mutable_collection(c)]
+    rng_names = sorted(module.scope.rngs) if module.scope.rngs else []
+    rng_keys = [module.make_rng(r) for r in rng_names]
+    other_items = [(c, p, v) for c, tree in others.items() for p, v in tree.items()]
+    stored = {key: (dim, ndim) for key, dim, ndim in info.dims}
+    unbound = module.clone(parent=None)
+
+    def run(values, state_values, call_args, call_kwargs):
+        tree = {"params": unflatten_dict(values)}
+        for (c, p, _), v in zip(other_items, state_values, strict=False):
+            tree.setdefault(c, {})[p] = v
+        tree = {c: unflatten_dict(t) if c != "params" else t for c, t in tree.items()}
+        rngs = dict(zip(rng_names, state_values[len(other_items) :], strict=True))
+        # Set here, not around the caller's apply: the backward pass runs this
+        # again, long after that apply has returned.
+        token = _ON_DEVICE.set(True)
+        try:
+            with nn.intercept_methods(_on_device):
+                out, updates = unbound.apply(
+                    tree, *call_args, rngs=rngs, mutable=mutable, **call_kwargs
+                )
+        finally:
+            _ON_DEVICE.reset(token)
+        flat_updates = {c: flatten_dict(dict(t)) for c, t in updates.items()}
+        new = [
+            flat_updates.get(c, {}).get(p, v)
+            for (c, p, _), v in zip(other_items, state_values, strict=False)
+        ]
+        return out, new + list(state_values[len(other_items) :])
+
+    out, new_state = run_unit(
+        info,
+        "/".join(module.path),
+        [(p, v, *stored[p]) for p, v in params.items()],
+        [(v, False) for _, _, v in other_items] + [(k, True) for k in rng_keys],
+        None,
+        args,
+        kwargs,
+        run,
+    )
+    for c in mutable:
+        tree = unflatten_dict(
+            {p: v for (col, p, _), v in zip(other_items, new_state, strict=False) if col == c}
+        )
+        for name, value in tree.items():
+            module.put_variable(c, name, value)
+    return out
+
+
+def _on_device(next_fun, args, kwargs, context):
+    module = context.module
+    batch_norm = isinstance(module, nn.BatchNorm) and module.axis_name is None
+    if batch_norm and context.method_name == "__call__":
+        return _global_batch_norm(module, args, kwargs)
+    return next_fun(*args, **kwargs)
+
+
+def _global_batch_norm(module: nn.BatchNorm, args, kwargs):
+    """A BatchNorm inside a unit, with its statistics averaged over every
+    device: those of the global batch."""
+    bn = module.clone(parent=None, axis_name=AXES)
+    mutable = ["batch_stats"] if module.is_mutable_collection("batch_stats") else False
+    out = bn.apply(dict(module.variables), *args, mutable=mutable, **kwargs)
+    if mutable:
+        out, updates = out
+        for name, value in updates["batch_stats"].items():
+            module.put_variable("batch_stats", name, value)
+    return out
+
+
+def shard_linen(
+    module: nn.Module,
+    variables: dict,
+    mesh: Mesh,
+    config: ZeroPPConfig | None = None,
+    policy: Callable[[tuple], bool] | Sequence[tuple] | None = None,
+    compute_dtype=None,
+) -> tuple[ShardedLinen, dict]:
+    """Shard a Linen model for ZeRO++ over `mesh`.
+
+    Returns ``(model, variables)``: `model.apply` runs the module with its
+    units through the engine; `variables` holds every parameter split over
+    the devices along its first dimension that the device count divides (or
+    whole, if none does), and every other collection whole on every device.
+
+    Args:
+      variables: the module's variables (``module.init(...)``), with a
+        ``"params"`` collection.
+      policy: which submodules are units: a function of the module path
+        (a tuple of names) or a sequence of paths. Default:
+        `default_linen_units`.
+      compute_dtype: cast each unit's gathered weights (mixed precision);
+        default None keeps the model's own dtypes.
+
+    Raises:
+      UsageError: no ``"params"``, a policy that selects no unit or
+        overlapping units, a non-floating parameter, error feedback (Linen
+        runs without it: use `zpp.shard` with NNX for it).
+    """
+    config = ZeroPPConfig() if config is None else config
+    if config.error_feedback:
+        raise UsageError(
+            "error feedback is not available for Linen models (its residuals need a "
+            "gradient of their own); turn it off, or use zpp.shard with an NNX model"
+        )
+    if "params" not in variables:
+        raise UsageError("shard_linen needs the model's variables with a 'params' collection")
+    nodes, local = mesh_shape(mesh)
+    n = nodes * local
+    params = flatten_dict(dict(variables["params"]))
+    for path, value in params.items():
+        if jnp.dtype(jnp.result_type(value)) not in quant_float_dtypes():
+            raise UsageError(
+                f"parameter {'/'.join(path)} has dtype {jnp.dtype(jnp.result_type(value)).name}; "
+                "ZeRO++ shards float32, bfloat16 and float16 parameters"
+            )
+    tree = unflatten_dict(params)
+    if policy is None:
+        units = default_linen_units(tree)
+    elif callable(policy):
+        units = sorted({p[:i] for p in params for i in range(1, len(p)) if policy(p[:i])})
+    else:
+        units = [tuple(p) for p in policy]
+    units = [u for u in units if any(p[: len(u)] == u for p in params)]
+    check_units(
+        units,
+        "give shard_linen a policy that names submodule paths, or policy=None for the default",
+    )
+    dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
+    infos, sharded = {}, {}
+    for path, value in params.items():
+        dim = shard_dim(np.shape(value), n, stacked=False)
+        sharded[path] = jax.device_put(value, NamedSharding(mesh, spec_along(np.ndim(value), dim)))
+    for unit in units:
+        dims = tuple(
+            (p[len(unit) :], d, np.ndim(params[p]))
+            for p, d in (
+                (p, shard_dim(np.shape(params[p]), n, stacked=False))
+                for p in params
+                if p[: len(unit)] == unit
+            )
+        )
+        infos[unit] = UnitInfo(mesh, config, dtype, dims)
+    replicated = NamedSharding(mesh, P())
+    out = {c: jax.device_put(dict(v), replicated) for c, v in variables.items() if c != "params"}
+    out["params"] = unflatten_dict(sharded)
+    return ShardedLinen(module, infos), out
+
+
+Policy = Any

@@ -1,0 +1,268 @@
+"""One call of a unit: its parameters gathered, its code run on this
+device's rows of the batch, its weight gradient reduced.
+
+The framework-neutral part of `zpp_jax.shard` (NNX) and
+`zpp_jax.shard_linen` (Linen). A call runs in global view (ordinary
+`jax.jit` code on sharded arrays) and enters one `jax.shard_map` over
+(`node`, `local`); inside it a `ShardedLayer` with a `ParamLayout` gathers
+the unit's weights (qwZ, hpZ) and, in the backward pass, re-gathers them and
+reduces the weight gradient (qgZ) to the parameters' own blocks. The loss is
+over the global batch, so the reduction sums the devices' gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from zpp_jax import collectives
+from zpp_jax.config import ZeroPPConfig
+from zpp_jax.errors import UsageError
+from zpp_jax.layer import ShardedLayer
+from zpp_jax.mesh import AXES, mesh_shape
+from zpp_jax.partition import ParamLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitInfo:
+    """What a unit's calls need, kept with the unit as static data."""
+
+    mesh: Mesh
+    config: ZeroPPConfig
+    compute_dtype: Any
+    dims: tuple[tuple[Any, int | None, int], ...]  # (key, split dimension, ndim) as stored
+
+
+def check_units(units: Sequence[tuple], fix: str) -> None:
+    """Raise UsageError unless `units` (module paths) is non-empty and no
+    unit contains another; `fix` says how to write the policy."""
+    if not units:
+        raise UsageError(f"the policy selected no unit with parameters; {fix}")
+    for a in units:
+        for b in units:
+            if a != b and b[: len(a)] == a:
+                raise UsageError(
+                    f"units overlap: {_name(a)} contains {_name(b)}; a unit's weights are "
+                    "gathered for its whole call, so units must be disjoint submodules"
+                )
+
+
+def _name(path: tuple) -> str:
+    return "/".join(str(k) for k in path) or "<the model>"
+
+
+def shard_dim(shape: tuple[int, ...], n: int, stacked: bool) -> int | None:
+    """The dimension a parameter is split along: the first one (after a
+    stack's layer axis) that N divides, so that a block is a contiguous run;
+    None (kept whole on every device) when none does."""
+    for d in range(1 if stacked and len(shape) > 1 else 0, len(shape)):
+        if shape[d] % n == 0:
+            return d
+    return None
+
+
+def spec_along(ndim: int, dim: int | None) -> P:
+    """The PartitionSpec that splits dimension `dim` over every device."""
+    if dim is None:
+        return P()
+    return P(*[AXES if i == dim else None for i in range(ndim)])
+
+
+def call_layout(config: ZeroPPConfig, params: Sequence[tuple], n: int) -> ParamLayout:
+    """The per-device layout of one call's split parameters, given as
+    (shape, dtype, split dimension)."""
+    return ParamLayout.from_tree(
+        [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in params],
+        [dim for _, _, dim in params],
+        n,
+        config.grad_block if config.quantize_gradients else 1,
+        config.block_size if config.quantize_weights else None,
+    )
+
+
+def residual_size(config: ZeroPPConfig, params: Sequence[tuple], mesh_sizes) -> int:
+    """Elements of one call's error-feedback residual over all devices."""
+    nodes, local = mesh_sizes
+    layout = call_layout(config, params, nodes * local)
+    return nodes * local * collectives.residual_size(layout.shard_size, nodes, local)
+
+
+Run = Callable[[dict, list, tuple, dict], tuple[Any, list]]
+
+
+def run_unit(
+    info: UnitInfo,
+    name: str,
+    params: Sequence[tuple[Any, jax.Array, int | None, int]],
+    state: Sequence[tuple[jax.Array, bool]],
+    residual: jax.Array | None,
+    args: tuple,
+    kwargs: dict,
+    run: Run,
+) -> tuple[Any, list]:
+    """Call a unit through the engine, in global view.
+
+    Args:
+      params: (key, value, split dimension as stored, ndim as stored) per
+        parameter. Inside `nnx.scan` / `nnx.vmap` a value arrives without its
+        leading stacking axes, and its split dimension moves down with them.
+      state: (value, is a random key) per other state array of the unit;
+        random keys are folded with the device index inside the call.
+      residual: the unit's error-feedback residual (with error feedback).
+      run: ``run(params by key, state values, args, kwargs) -> (outputs, new
+        state values)``: the unit's own code, on one device.
+
+    Returns the outputs (the batch gathered back along the leading axis, other
+    float outputs averaged over the devices) and the new state values
+    (random keys as they came in).
+    """
+    n = info.mesh.devices.size
+    split, whole = [], []
+    for key, value, dim, ndim in params:
+        lead = ndim - np.ndim(value)
+        if dim is not None and dim >= lead:
+            split.append((key, value, dim - lead))
+        else:
+            whole.append((key, value))
+    layout = None
+    if split:
+        layout = call_layout(
+            info.config, [(np.shape(v), jnp.result_type(v), d) for _, v, d in split], n
+        )
+        if info.config.error_feedback:
+            need = (n * collectives.residual_size(layout.shard_size, *mesh_shape(info.mesh)),)
+            if residual is None or np.shape(residual) != need:
+                raise UsageError(
+                    f"unit {name}'s error-feedback residual has shape "
+                    f"{None if residual is None else np.shape(residual)}, a call of it needs "
+                    f"{need}: it is called with parameters of other shapes than zpp.shard "
+                    "stored (a stack it did not recognize?); pass a policy, or turn error "
+                    "feedback off"
+                )
+    else:
+        residual = None
+
+    arg_def, arg_state = nnx.split((args, kwargs))
+    arg_items = nnx.to_flat_state(arg_state)
+    batch = _batch_size(arg_items)
+    if batch is not None and batch % n:
+        raise UsageError(
+            f"unit {name} got a batch of {batch} rows, which does not split over the {n} "
+            f"devices; use a global batch that is a multiple of {n}"
+        )
+
+    def is_batch(x):
+        return (
+            batch is not None
+            and not isinstance(x, nnx.Variable)
+            and np.ndim(x) >= 1
+            and np.shape(x)[0] == batch
+        )
+
+    keys = [is_key for _, is_key in state]
+    arg_keys = [isinstance(v, nnx.RngKey) for _, v in arg_items]
+
+    def fn(full, inputs):
+        """The unit's code on this device's rows: (outputs, new state)."""
+        rep, state_values, arg_values = inputs
+        index = lax.axis_index(AXES)
+        values = dict(zip([k for k, _, _ in split], full or [], strict=True))
+        values.update(zip([k for k, _ in whole], rep, strict=True))
+        if info.compute_dtype is not None:
+            values = {k: v.astype(info.compute_dtype) for k, v in values.items()}
+        call_args, call_kwargs = nnx.merge(
+            arg_def, _with_values(arg_items, _fold(arg_values, arg_keys, index))
+        )
+        out, new_state = run(values, _fold(state_values, keys, index), call_args, call_kwargs)
+        _, new_arg_state = nnx.split((call_args, call_kwargs))
+        new_args = [
+            old if is_key or not isinstance(v, nnx.Variable) else v.get_value()
+            for (_, v), old, is_key in zip(
+                nnx.to_flat_state(new_arg_state), arg_values, arg_keys, strict=True
+            )
+        ]
+        new_state = [
+            old if is_key else new
+            for new, old, is_key in zip(new_state, state_values, keys, strict=True)
+        ]
+        return jax.tree.map(lambda a: a[None], out), new_state, new_args
+
+    def local(blocks, rep, state_values, arg_values, residual):
+        inputs = (rep, state_values, arg_values)
+        if layout is None:
+            return fn(None, inputs)
+        layer = ShardedLayer(
+            lambda full, x: fn(jax.tree.leaves(full), x), layout, info.config, reduction="sum"
+        )
+        return layer(layout.pack(layout.treedef.unflatten(blocks)), inputs, residual)
+
+    out, new_state, new_args = jax.shard_map(
+        local,
+        mesh=info.mesh,
+        in_specs=(
+            [spec_along(np.ndim(v), d) for _, v, d in split],
+            P(),
+            P(),
+            [P(AXES) if is_batch(x) else P() for _, x in arg_items],
+            None if residual is None else P(AXES),
+        ),
+        out_specs=(P(AXES), P(), P()),
+        check_vma=False,
+    )(
+        [v for _, v, _ in split],
+        [v for _, v in whole],
+        [v for v, _ in state],
+        [x.get_value() if isinstance(x, nnx.Variable) else x for _, x in arg_items],
+        residual,
+    )
+    changed = [
+        (item, x)
+        for item, x in zip(arg_items, new_args, strict=True)
+        if isinstance(item[1], nnx.Variable)
+    ]
+    if changed:  # random streams and other graph nodes passed in: their new state
+        items, values = zip(*changed, strict=True)
+        nnx.update((args, kwargs), _with_values(items, values))
+    local_batch = None if batch is None else batch // n
+    return jax.tree.map(lambda a: _unstack(a, local_batch), out), new_state
+
+
+def _batch_size(items) -> int | None:
+    """The leading dimension of the first array argument (not a variable)."""
+    for _, x in items:
+        if not isinstance(x, nnx.Variable) and np.ndim(x) >= 1:
+            return int(np.shape(x)[0])
+    return None
+
+
+def _with_values(items, values) -> nnx.State:
+    return nnx.from_flat_state(
+        [
+            (p, v.replace(x) if isinstance(v, nnx.Variable) else x)
+            for (p, v), x in zip(items, values, strict=True)
+        ]
+    )
+
+
+def _fold(values, is_key, index):
+    """Random keys folded with the device index; anything else as it is."""
+    return [jax.random.fold_in(x, index) if k else x for x, k in zip(values, is_key, strict=True)]
+
+
+def _unstack(a, local_batch):
+    """Every device's output (N, ...) -> the global value: the batch again,
+    or the mean over devices of anything else (float), device 0's (other)."""
+    if local_batch is not None and a.ndim >= 2 and a.shape[1] == local_batch:
+        return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
+    if jnp.issubdtype(a.dtype, jnp.floating):
+        return jnp.mean(a, axis=0).astype(a.dtype)
+    return a[0]
