@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 import zoo
-from test_shard import EXACT, _norm_rel, optimizer
+from test_shard import EXACT, FULL, _norm_rel, optimizer
 
 import zpp_jax as zpp
 
@@ -115,7 +115,7 @@ def test_zeropp_trains_like_zero3(name, mesh24):
     family = FAMILIES[name]
     module, variables = family.make(0)
     ends = {}
-    for label, config in (("ZeRO-3", EXACT), ("ZeRO++", zpp.ZeroPPConfig())):
+    for label, config in (("ZeRO-3", EXACT), ("ZeRO++", FULL)):
         model, sharded = zpp.shard_linen(module, variables, mesh24, config)
         losses, _ = train(family, module, sharded, 100, mesh24, model.apply)
         ends[label] = (np.mean(losses[:10]), np.mean(losses[-10:]))

@@ -62,11 +62,13 @@ def _mse(out, batch):
 
 
 def _image_batch(i: int) -> dict:
-    """8x8x3 images whose class is the brightest quadrant, 10% labels noisy."""
+    """8x8x3 images, each channel shifted by its own offset; the class is
+    the largest of (c0, c1, c2, -(c0 + c1 + c2)) offsets; 10% labels noisy."""
     rng = np.random.default_rng(2000 + i)
-    x = rng.standard_normal((BATCH, 8, 8, 3)).astype(np.float32)
-    quad = x.reshape(BATCH, 2, 4, 2, 4, 3).mean(axis=(2, 4, 5)).reshape(BATCH, 4)
-    y = np.argmax(quad, axis=1)
+    shift = rng.standard_normal((BATCH, 1, 1, 3)).astype(np.float32)
+    x = rng.standard_normal((BATCH, 8, 8, 3)).astype(np.float32) + shift
+    s = shift[:, 0, 0]
+    y = np.argmax(np.concatenate([s, -s.sum(axis=1, keepdims=True)], axis=1), axis=1)
     noisy = rng.random(BATCH) < 0.1
     y = np.where(noisy, rng.integers(0, 4, BATCH), y).astype(np.int32)
     return {"inputs": x, "targets": y}
