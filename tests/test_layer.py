@@ -394,4 +394,8 @@ def test_aligned_layer_gradients_match_the_flat_quantization(mesh24, monkeypatch
     # A fresh trace (not the cached program), so that the patch takes effect.
     f, _ = sharded_loss_and_grads.__wrapped__(mesh24, config, layout)
     _, by_flat, _ = f(shards, x, None)
-    np.testing.assert_array_equal(np.asarray(by_tensor), np.asarray(by_flat))
+    # The same codes and scales; the two programs are fused differently, so
+    # the fp32 sums after dequantization may round differently (a few ulps
+    # of the largest gradient).
+    a, b = np.asarray(by_tensor), np.asarray(by_flat)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.max(np.abs(b)))
