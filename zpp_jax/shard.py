@@ -48,10 +48,11 @@ from zpp_jax.partition import quant_float_dtypes
 from zpp_jax.unit import (
     UnitInfo,
     check_units,
+    place,
     residual_size,
     run_unit,
     shard_dim,
-    spec_along,
+    with_values,
 )
 
 Path = tuple
@@ -257,7 +258,7 @@ def shard(
             continue
         value = var.get_value()
         dim = shard_dim(np.shape(value), n, stacked=False)
-        var.set_value(jax.device_put(value, NamedSharding(mesh, spec_along(np.ndim(value), dim))))
+        var.set_value(place(value, mesh, dim))
     return model
 
 
@@ -268,7 +269,7 @@ def _make_unit(module, mesh, config, compute_dtype, n, shape):
     for path, var in params:
         value = var.get_value()
         dim = shard_dim(np.shape(value), n, stacked)
-        var.set_value(jax.device_put(value, NamedSharding(mesh, spec_along(np.ndim(value), dim))))
+        var.set_value(place(value, mesh, dim))
         dims.append((path, dim, np.ndim(value)))
     if config.error_feedback:
         lead = 1 if stacked else 0
@@ -281,10 +282,7 @@ def _make_unit(module, mesh, config, compute_dtype, n, shape):
             size = residual_size(config, call, shape)
             lead_shape = np.shape(params[0][1].get_value())[:1] if stacked else ()
             module._zpp_residual = FeedbackResidual(
-                jax.device_put(
-                    jnp.zeros(lead_shape + (size,), config.residual_dtype),
-                    NamedSharding(mesh, spec_along(len(lead_shape) + 1, len(lead_shape))),
-                )
+                place(jnp.zeros(lead_shape + (size,), config.residual_dtype), mesh, len(lead_shape))
             )
     module._zpp = UnitInfo(
         mesh, config, None if compute_dtype is None else jnp.dtype(compute_dtype), tuple(dims)
@@ -310,9 +308,9 @@ def _unit_call(self, *args, **kwargs):
     def run(values, rest_values, call_args, call_kwargs):
         module = nnx.merge(
             graphdef,
-            _state(param_items, [values[p] for p, _ in param_items]),
-            _state(feedback_items, [jnp.zeros((), v.dtype) for _, v in feedback_items]),
-            _state(rest_items, rest_values),
+            with_values(param_items, [values[p] for p, _ in param_items]),
+            with_values(feedback_items, [jnp.zeros((), v.dtype) for _, v in feedback_items]),
+            with_values(rest_items, rest_values),
         )
         for _, sub in nnx.iter_modules(module):
             if isinstance(sub, nnx.BatchNorm) and sub.axis_name is None:
@@ -330,18 +328,8 @@ def _unit_call(self, *args, **kwargs):
         kwargs,
         run,
     )
-    nnx.update(self, _state(rest_items, new_rest))
+    nnx.update(self, with_values(rest_items, new_rest))
     return out
-
-
-def _state(items, values) -> nnx.State:
-    """A flat state's items with new values (variables keep their type)."""
-    return nnx.from_flat_state(
-        [
-            (p, v.replace(x) if isinstance(v, nnx.Variable) else x)
-            for (p, v), x in zip(items, values, strict=True)
-        ]
-    )
 
 
 # -- after training -----------------------------------------------------------------

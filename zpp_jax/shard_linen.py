@@ -33,7 +33,7 @@ from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.partition import quant_float_dtypes
-from zpp_jax.unit import UnitInfo, check_units, run_unit, shard_dim, spec_along
+from zpp_jax.unit import UnitInfo, check_units, place, run_unit, shard_dim
 
 _ON_DEVICE = contextvars.ContextVar("zpp_linen_on_device", default=False)
 _LAYER_NAME = re.compile(r"^(.*)_(\d+)$")
@@ -241,7 +241,7 @@ def shard_linen(
     infos, sharded = {}, {}
     for path, value in params.items():
         dim = shard_dim(np.shape(value), n, stacked=False)
-        sharded[path] = jax.device_put(value, NamedSharding(mesh, spec_along(np.ndim(value), dim)))
+        sharded[path] = place(value, mesh, dim)
     for unit in units:
         dims = tuple(
             (p[len(unit) :], d, np.ndim(params[p]))

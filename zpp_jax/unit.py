@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax import collectives
@@ -75,6 +75,12 @@ def spec_along(ndim: int, dim: int | None) -> P:
     if dim is None:
         return P()
     return P(*[AXES if i == dim else None for i in range(ndim)])
+
+
+def place(value, mesh: Mesh, dim: int | None) -> jax.Array:
+    """`value` stored split along `dim` over every device of `mesh` (whole
+    on every device when `dim` is None)."""
+    return jax.device_put(value, NamedSharding(mesh, spec_along(np.ndim(value), dim)))
 
 
 def call_layout(config: ZeroPPConfig, params: Sequence[tuple], n: int) -> ParamLayout:
@@ -180,7 +186,7 @@ def run_unit(
         if info.compute_dtype is not None:
             values = {k: v.astype(info.compute_dtype) for k, v in values.items()}
         call_args, call_kwargs = nnx.merge(
-            arg_def, _with_values(arg_items, _fold(arg_values, arg_keys, index))
+            arg_def, with_values(arg_items, _fold(arg_values, arg_keys, index))
         )
         out, new_state = run(values, _fold(state_values, keys, index), call_args, call_kwargs)
         _, new_arg_state = nnx.split((call_args, call_kwargs))
@@ -231,7 +237,7 @@ def run_unit(
     ]
     if changed:  # random streams and other graph nodes passed in: their new state
         items, values = zip(*changed, strict=True)
-        nnx.update((args, kwargs), _with_values(items, values))
+        nnx.update((args, kwargs), with_values(items, values))
     local_batch = None if batch is None else batch // n
     return jax.tree.map(lambda a: _unstack(a, local_batch), out), new_state
 
@@ -244,7 +250,8 @@ def _batch_size(items) -> int | None:
     return None
 
 
-def _with_values(items, values) -> nnx.State:
+def with_values(items, values) -> nnx.State:
+    """A flat state's items with new values (variables keep their type)."""
     return nnx.from_flat_state(
         [
             (p, v.replace(x) if isinstance(v, nnx.Variable) else x)
