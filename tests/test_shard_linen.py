@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 import zoo
-from test_shard import EXACT, FULL, _norm_rel, optimizer
+from test_shard import EXACT, _norm_rel, optimizer
 
 import zpp_jax as zpp
 
@@ -105,26 +105,6 @@ def test_zero3_equals_one_device(name, mesh24):
             assert _norm_rel(value, want[key]) <= 1e-5, key
     if name == "linen_cnn":
         assert any("batch_stats" in k for k in want)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", FAMILIES)
-def test_zeropp_trains_like_zero3(name, mesh24):
-    """100 steps, dropout on: full ZeRO++ ends within 2% of ZeRO-3's loss
-    (means of the last 10)."""
-    family = FAMILIES[name]
-    module, variables = family.make(0)
-    ends = {}
-    for label, config in (("ZeRO-3", EXACT), ("ZeRO++", FULL)):
-        model, sharded = zpp.shard_linen(module, variables, mesh24, config)
-        losses, _ = train(family, module, sharded, 100, mesh24, model.apply)
-        ends[label] = (np.mean(losses[:10]), np.mean(losses[-10:]))
-    first, end3 = ends["ZeRO-3"]
-    endpp = ends["ZeRO++"][1]
-    gap = (endpp - end3) / end3
-    print(f"{name}: loss {first:.4f} -> ZeRO-3 {end3:.4f}, ZeRO++ {endpp:.4f}, gap {gap:+.2%}")
-    assert end3 < 0.9 * first
-    assert abs(gap) <= 0.02
 
 
 def test_dropout_masks_per_device(mesh24):
