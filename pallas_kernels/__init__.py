@@ -15,6 +15,7 @@ Each op lives in its own module (``quantize.py``, ``dequantize.py``,
 from pallas_kernels import _reference as reference
 from pallas_kernels._reference import (
     FLOAT_DTYPES,
+    ROUNDINGS,
     SUPPORTED_BITS,
     QuantizedBlocks,
     effective_block_size,
@@ -30,6 +31,7 @@ from pallas_kernels.requantize import dequantize_sum_quantize
 
 __all__ = [
     "FLOAT_DTYPES",
+    "ROUNDINGS",
     "SUPPORTED_BITS",
     "QuantizedBlocks",
     "dequantize",

@@ -16,7 +16,14 @@ match it bit for bit:
   the multiply into an add (FMA): kernels match the reference bit for bit on
   any backend.
 * ``code = clip(round_half_to_even(x / scale), -qmax, qmax)`` with an IEEE fp32
-  division. An all-zero block has ``scale = 0`` and codes 0, and dequantizes to
+  division (``rounding="nearest"``), or, with ``rounding="stochastic"``,
+  ``code = clip(floor(x / scale + u), -qmax, qmax)`` where ``u`` in [0, 1) is
+  `dither`: a hash of the element's fp32 bits and its position in its block.
+  Stochastic rounding is unbiased (the expected code is ``x / scale``), so
+  the errors of many small gradients do not all round to zero in the same
+  direction; being a pure function of the input it stays bit-reproducible
+  and needs no random key. (Elements equal in value and in position within
+  their blocks round alike.) An all-zero block has ``scale = 0`` and codes 0, and dequantizes to
   exact zeros (never NaN).
 * A block holding NaN or +-Inf gets scale +Inf and codes 0, so every
   element of it dequantizes to NaN: a non-finite gradient can never turn into a
@@ -30,8 +37,9 @@ match it bit for bit:
 * An axis shorter than one block is quantized as a single block of its own
   length (rounded up to even for int4): see `effective_block_size`.
 
-The error of a finite element is at most half a step, ``scale / 2`` (plus fp32
-round-off of the division).
+The error of a finite element is at most half a step, ``scale / 2``, with
+nearest rounding, and under one step, ``scale``, with stochastic rounding
+(plus fp32 round-off of the division).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SUPPORTED_BITS = (4, 8)
+ROUNDINGS = ("nearest", "stochastic")
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -78,6 +87,11 @@ def check_block_size(block_size: int, bits: int) -> None:
             f"block_size={block_size} is odd; 4-bit codes are packed two per byte "
             "within a block, so use an even block_size"
         )
+
+
+def check_rounding(rounding: str) -> None:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r} is not supported; use one of {ROUNDINGS}")
 
 
 def check_float(dtype, what: str) -> None:
@@ -133,6 +147,19 @@ def round_up_16(scale: jax.Array) -> jax.Array:
     return jnp.where(scale < jnp.inf, rounded, scale)
 
 
+def dither(bits: jax.Array, position: jax.Array) -> jax.Array:
+    """Uniform fp32 in [0, 1), multiples of 2**-24: the murmur3 finalizer of
+    an element's fp32 bits (uint32) mixed with its position in its block
+    (uint32). The same on every backend: integer ops only."""
+    h = bits ^ (position * jnp.uint32(0x9E3779B9))
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    h = h ^ (h >> 16)
+    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
 def pack_int4(codes: jax.Array) -> jax.Array:
     """Pack int8 codes in [-8, 7] of blocks along the last (even) axis -> uint8:
     byte j = element j (low nibble) | element j + b/2 (high nibble)."""
@@ -164,13 +191,16 @@ def _magnitude(x: jax.Array) -> jax.Array:
 # -- reference ops ---------------------------------------------------------------
 
 
-def quantize(x: jax.Array, bits: int, block_size: int) -> QuantizedBlocks:
+def quantize(
+    x: jax.Array, bits: int, block_size: int, rounding: str = "nearest"
+) -> QuantizedBlocks:
     """Block-quantize `x` along its last axis (see the module docstring).
 
     Accepts fp32, bf16 and fp16, any length. Output bytes per element: 1 (int8)
     or 1/2 (int4), plus 4 bytes of scale per block.
     """
     check_float(x.dtype, "quantize")
+    check_rounding(rounding)
     n = x.shape[-1]
     block = effective_block_size(n, block_size, bits)
     nb = num_blocks(n, block)
@@ -183,7 +213,13 @@ def quantize(x: jax.Array, bits: int, block_size: int) -> QuantizedBlocks:
     scales = round_up_16(absmax / jnp.float32(qmax(bits)))
     finite = scales < jnp.inf
     safe = jnp.where((scales == 0) | ~finite, jnp.float32(1), scales)
-    q = jnp.clip(jnp.round(xf / safe[..., None]), -qmax(bits), qmax(bits))
+    y = xf / safe[..., None]
+    if rounding == "stochastic":
+        position = jax.lax.broadcasted_iota(jnp.uint32, xf.shape, xf.ndim - 1)
+        y = jnp.floor(y + dither(jax.lax.bitcast_convert_type(xf, jnp.uint32), position))
+    else:
+        y = jnp.round(y)
+    q = jnp.clip(y, -qmax(bits), qmax(bits))
     codes = jnp.where(finite[..., None], q, 0).astype(jnp.int8)
     if bits == 4:
         codes = pack_int4(codes)
@@ -202,7 +238,11 @@ def dequantize(
 
 
 def dequantize_sum_quantize(
-    q: QuantizedBlocks, bits: int, size: int, residual: jax.Array | None
+    q: QuantizedBlocks,
+    bits: int,
+    size: int,
+    residual: jax.Array | None,
+    rounding: str = "nearest",
 ) -> tuple[QuantizedBlocks, jax.Array | None]:
     """Sum over the leading axis of the dequantized inputs, left to right in
     fp32, plus `residual`; requantize with the same blocks; the new residual is
@@ -213,13 +253,13 @@ def dequantize_sum_quantize(
         total = part if total is None else total + part
     if residual is not None:
         total = total + residual.astype(jnp.float32)
-    out = quantize(total, bits, block_of(q, bits))
+    out = quantize(total, bits, block_of(q, bits), rounding)
     new = None if residual is None else total - dequantize(out, bits, size)
     return out, new
 
 
 def quantize_reordered(
-    full: jax.Array, nodes: int, local: int, bits: int, block_size: int
+    full: jax.Array, nodes: int, local: int, bits: int, block_size: int, rounding: str = "nearest"
 ) -> QuantizedBlocks:
     """quantize(full.reshape(nodes, local, s).swapaxes(0, 1)): blocks of shape
     (local, nodes, nb, ...), row [l, n] = chunk n*local + l of `full`."""
@@ -227,5 +267,5 @@ def quantize_reordered(
     # Each chunk is a row with its own blocks either way, so quantizing in
     # place and swapping the chunk axes of codes and scales gives the same
     # bits, and the swap moves 1/8 (int4) of the bytes of the fp32 input.
-    q = quantize(full.reshape(nodes, local, s), bits, block_size)
+    q = quantize(full.reshape(nodes, local, s), bits, block_size, rounding)
     return jax.tree.map(lambda a: a.swapaxes(0, 1), q)

@@ -71,8 +71,21 @@ def _round_half_even(y):
     return jnp.where(y < 0, -(r + up), r + up)
 
 
-def _quantize_parts(parts, bits):
-    """fp32 parts of a tile of blocks (each (R, w)) -> float codes per part, scales (R,)."""
+def _positions(parts, block):
+    """Each element's position in its block (uint32, like the part): part 0
+    holds elements 0.., the second part of an int4 block elements block/2.."""
+    w = parts[0].shape[1]
+    column = jnp.arange(w, dtype=jnp.int32)[None, :]
+    return [
+        jnp.broadcast_to(column + i * (block // 2), p.shape).astype(jnp.uint32)
+        for i, p in enumerate(parts)
+    ]
+
+
+def _quantize_parts(parts, bits, rounding="nearest", block=0):
+    """fp32 parts of a tile of blocks (each (R, w)) -> float codes per part,
+    scales (R,). `block` (the block's element count) places the elements of
+    each part for stochastic rounding."""
     qmax = float(ref.qmax(bits))
     absmax = None
     for p in parts:
@@ -83,10 +96,16 @@ def _quantize_parts(parts, bits):
     scales = ref.round_up_16(absmax / qmax)
     finite = scales < jnp.inf
     safe = jnp.where((scales == 0) | ~finite, 1.0, scales)
-    codes = [
-        jnp.where(finite[:, None], jnp.clip(_round_half_even(p / safe[:, None]), -qmax, qmax), 0.0)
-        for p in parts
-    ]
+    if rounding == "stochastic":
+        rounded = [
+            jnp.floor(
+                p / safe[:, None] + ref.dither(jax.lax.bitcast_convert_type(p, jnp.uint32), j)
+            )
+            for p, j in zip(parts, _positions(parts, block), strict=True)
+        ]
+    else:
+        rounded = [_round_half_even(p / safe[:, None]) for p in parts]
+    codes = [jnp.where(finite[:, None], jnp.clip(r, -qmax, qmax), 0.0) for r in rounded]
     return codes, scales
 
 
@@ -146,13 +165,15 @@ def _blocked(x: jax.Array, block: int, bits: int) -> tuple[jax.Array, int, int]:
 # -- quantize (optionally with the leading axes swapped) ------------------------
 
 
-def _quantize_kernel(bits, x_ref, c_ref, s_ref):
-    codes, scales = _quantize_parts(_load_parts(x_ref, bits == 4), bits)
+def _quantize_kernel(bits, rounding, block, x_ref, c_ref, s_ref):
+    codes, scales = _quantize_parts(_load_parts(x_ref, bits == 4), bits, rounding, block)
     _store_codes(c_ref, codes, bits)
     s_ref[...] = scales
 
 
-def quantize_4d(x: jax.Array, bits: int, block: int, swap: bool, interpret: bool):
+def quantize_4d(
+    x: jax.Array, bits: int, block: int, swap: bool, interpret: bool, rounding: str = "nearest"
+):
     """x (A, B, n) -> QuantizedBlocks of (B, A, nb, ...) if `swap` else (A, B, nb, ...)."""
     a, b, _ = x.shape
     xb, nb, w = _blocked(x, block, bits)
@@ -171,7 +192,7 @@ def quantize_4d(x: jax.Array, bits: int, block: int, swap: bool, interpret: bool
         in_spec = pl.BlockSpec((None, None, r, w), lambda i, j, t: (*src(i, j, t), 0))
     grid = (out_lead[0], out_lead[1], nbp // r)
     codes, scales = _call(
-        functools.partial(_quantize_kernel, bits),
+        functools.partial(_quantize_kernel, bits, rounding, block),
         grid,
         [in_spec],
         [
@@ -188,19 +209,24 @@ def quantize_4d(x: jax.Array, bits: int, block: int, swap: bool, interpret: bool
     return QuantizedBlocks(codes[:, :, :nb, :cw], scales[:, :, :nb])
 
 
-def quantize(x: jax.Array, bits: int, block_size: int, interpret: bool) -> QuantizedBlocks:
+def quantize(
+    x: jax.Array, bits: int, block_size: int, interpret: bool, rounding: str = "nearest"
+) -> QuantizedBlocks:
     lead = x.shape[:-1]
     block = ref.effective_block_size(x.shape[-1], block_size, bits)
-    q = quantize_4d(x.reshape(1, math.prod(lead), x.shape[-1]), bits, block, False, interpret)
+    x3 = x.reshape(1, math.prod(lead), x.shape[-1])
+    q = quantize_4d(x3, bits, block, False, interpret, rounding)
     return QuantizedBlocks(
         q.codes.reshape(*lead, *q.codes.shape[2:]), q.scales.reshape(*lead, q.scales.shape[-1])
     )
 
 
-def quantize_reordered(full, nodes, local, bits, block_size, interpret) -> QuantizedBlocks:
+def quantize_reordered(
+    full, nodes, local, bits, block_size, interpret, rounding="nearest"
+) -> QuantizedBlocks:
     s = full.shape[-1] // (nodes * local)
     block = ref.effective_block_size(s, block_size, bits)
-    return quantize_4d(full.reshape(nodes, local, s), bits, block, True, interpret)
+    return quantize_4d(full.reshape(nodes, local, s), bits, block, True, interpret, rounding)
 
 
 # -- dequantize ----------------------------------------------------------------
@@ -266,7 +292,7 @@ def dequantize(q: QuantizedBlocks, bits: int, size: int, dtype, interpret: bool)
 # -- fused dequantize -> sum over k -> (+ residual) -> requantize ----------------
 
 
-def _dsq_kernel(bits, k, with_residual, c_ref, s_ref, *refs):
+def _dsq_kernel(bits, k, with_residual, rounding, block, c_ref, s_ref, *refs):
     if with_residual:
         r_ref, oc_ref, os_ref, or_ref = refs
     else:
@@ -278,7 +304,7 @@ def _dsq_kernel(bits, k, with_residual, c_ref, s_ref, *refs):
         total = parts if total is None else [a + b for a, b in zip(total, parts, strict=True)]
     if with_residual:
         total = [a + b for a, b in zip(total, _load_parts(r_ref, bits == 4), strict=True)]
-    codes, scales = _quantize_parts(total, bits)
+    codes, scales = _quantize_parts(total, bits, rounding, block)
     _store_codes(oc_ref, codes, bits)
     os_ref[...] = scales
     if with_residual:
@@ -286,7 +312,7 @@ def _dsq_kernel(bits, k, with_residual, c_ref, s_ref, *refs):
         _store_parts(or_ref, lost, jnp.float32)
 
 
-def dequantize_sum_quantize(q, bits, size, residual, interpret):
+def dequantize_sum_quantize(q, bits, size, residual, interpret, rounding="nearest"):
     k = q.codes.shape[0]
     sub = QuantizedBlocks(q.codes[0], q.scales[0])
     _, _, lead, nb, c, w, r, nbp = _codes_blocked(sub, bits)
@@ -308,15 +334,15 @@ def dequantize_sum_quantize(q, bits, size, residual, interpret):
         jax.ShapeDtypeStruct((g, nbp), jnp.float32),
     ]
     with_residual = residual is not None
+    block = c * (2 if bits == 4 else 1)
     if with_residual:
-        block = c * (2 if bits == 4 else 1)
         rb, _, _ = _blocked(residual.astype(jnp.float32).reshape(g, size), block, bits)
         args.append(_pad_axis(rb, 1, nbp))
         in_specs.append(_parts_spec(r, w, bits))
         out_specs.append(_parts_spec(r, w, bits))
         out_shape.append(_parts_shape(g, nbp, w, bits, jnp.float32))
     outs = _call(
-        functools.partial(_dsq_kernel, bits, k, with_residual),
+        functools.partial(_dsq_kernel, bits, k, with_residual, rounding, block),
         (g, nbp // r),
         in_specs,
         out_specs,

@@ -12,25 +12,32 @@ from pallas_kernels._reference import QuantizedBlocks
 
 
 def quantize(
-    x: jax.Array, bits: int, block_size: int, *, interpret: bool = False
+    x: jax.Array,
+    bits: int,
+    block_size: int,
+    *,
+    rounding: str = "nearest",
+    interpret: bool = False,
 ) -> QuantizedBlocks:
     """Block-quantize `x` along its last axis, exactly as the reference `quantize`
-    (codes and scales bit for bit).
+    (codes and scales bit for bit). `rounding`: "nearest" (half to even) or
+    "stochastic" (unbiased; see `reference.dither`).
 
     Reads the input once and writes 1 (int8) or 1/2 (int4) byte per element
     plus 4 bytes per block.
     """
     _reference.check_float(x.dtype, "quantize")
     _reference.check_block_size(block_size, bits)
-    return _quantize(x, bits, block_size, interpret)
+    _reference.check_rounding(rounding)
+    return _quantize(x, bits, block_size, rounding, interpret)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _quantize(x, bits, block_size, interpret):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _quantize(x, bits, block_size, rounding, interpret):
     # Under jit, tracing both backends happens once per shape, not per call.
     return by_platform(
-        functools.partial(_triton.quantize, bits=bits, block_size=block_size),
-        functools.partial(_reference.quantize, bits=bits, block_size=block_size),
+        functools.partial(_triton.quantize, bits=bits, block_size=block_size, rounding=rounding),
+        functools.partial(_reference.quantize, bits=bits, block_size=block_size, rounding=rounding),
         interpret,
         x,
     )

@@ -18,6 +18,7 @@ def quantize_reordered(
     bits: int,
     block_size: int,
     *,
+    rounding: str = "nearest",
     interpret: bool = False,
 ) -> QuantizedBlocks:
     """Quantize a full gradient (nodes*local*s,) straight into the order the
@@ -29,28 +30,22 @@ def quantize_reordered(
     """
     _reference.check_float(full.dtype, "quantize_reordered")
     _reference.check_block_size(block_size, bits)
+    _reference.check_rounding(rounding)
     if full.ndim != 1 or full.shape[0] % (nodes * local):
         raise ValueError(
             f"quantize_reordered needs a 1-D vector whose length is a multiple of "
             f"{nodes * local}, got shape {full.shape}"
         )
-    return _quantize_reordered(full, nodes, local, bits, block_size, interpret)
+    return _quantize_reordered(full, nodes, local, bits, block_size, rounding, interpret)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
-def _quantize_reordered(full, nodes, local, bits, block_size, interpret):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def _quantize_reordered(full, nodes, local, bits, block_size, rounding, interpret):
     # Under jit, tracing both backends happens once per shape, not per call.
+    static = dict(nodes=nodes, local=local, bits=bits, block_size=block_size, rounding=rounding)
     return by_platform(
-        functools.partial(
-            _triton.quantize_reordered, nodes=nodes, local=local, bits=bits, block_size=block_size
-        ),
-        functools.partial(
-            _reference.quantize_reordered,
-            nodes=nodes,
-            local=local,
-            bits=bits,
-            block_size=block_size,
-        ),
+        functools.partial(_triton.quantize_reordered, **static),
+        functools.partial(_reference.quantize_reordered, **static),
         interpret,
         full,
     )

@@ -19,28 +19,31 @@ def dequantize_sum_quantize(
     size: int,
     residual: jax.Array | None = None,
     *,
+    rounding: str = "nearest",
     interpret: bool = False,
 ) -> tuple[QuantizedBlocks, jax.Array | None]:
     """`q` holds k quantized inputs stacked on a leading axis (codes
     ``(k, ..., nb, c)``); returns their fp32 sum (left to right, plus
     `residual` of shape ``(..., size)`` if given) requantized with the same
-    blocks, and the new residual (fp32: what the requantization lost) or None.
+    blocks (`rounding` as in `quantize`), and the new residual (fp32: what
+    the requantization lost) or None.
 
     One pass: reads k x (codes + scales) and the residual, writes one set of
     codes + scales and the residual; the fp32 sum never leaves the chip.
     """
     _reference.check_bits(bits)
-    return _dequantize_sum_quantize(q, residual, bits, size, interpret)
+    _reference.check_rounding(rounding)
+    return _dequantize_sum_quantize(q, residual, bits, size, rounding, interpret)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _dequantize_sum_quantize(q, residual, bits, size, interpret):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _dequantize_sum_quantize(q, residual, bits, size, rounding, interpret):
     # Under jit, tracing both backends happens once per shape, not per call.
     return by_platform(
         lambda q, residual, interpret: _triton.dequantize_sum_quantize(
-            q, bits, size, residual, interpret
+            q, bits, size, residual, interpret, rounding
         ),
-        lambda q, residual: _reference.dequantize_sum_quantize(q, bits, size, residual),
+        lambda q, residual: _reference.dequantize_sum_quantize(q, bits, size, residual, rounding),
         interpret,
         q,
         residual,

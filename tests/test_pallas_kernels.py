@@ -16,9 +16,9 @@ import pallas_kernels as pk
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 SETTINGS = settings(max_examples=12, deadline=None)
 # The plain-JAX reference, jitted: one compilation per shape, not per operation.
-ref_quantize = jax.jit(pk.reference.quantize, static_argnums=(1, 2))
+ref_quantize = jax.jit(pk.reference.quantize, static_argnums=(1, 2, 3))
 ref_dequantize = jax.jit(pk.reference.dequantize, static_argnums=(1, 2, 3))
-ref_dsq = jax.jit(pk.reference.dequantize_sum_quantize, static_argnums=(1, 2))
+ref_dsq = jax.jit(pk.reference.dequantize_sum_quantize, static_argnums=(1, 2, 4))
 
 
 def _same(a, b):
@@ -49,6 +49,7 @@ def _data(seed, shape, dtype, specials):
 
 blocks = st.sampled_from([2, 6, 64, 100, 256])
 sizes = st.integers(1, 1500)
+roundings = st.sampled_from(pk.ROUNDINGS)
 
 
 @pytest.mark.slow
@@ -61,11 +62,12 @@ sizes = st.integers(1, 1500)
     dtype=st.sampled_from(DTYPES),
     specials=st.booleans(),
     seed=st.integers(0, 999),
+    rounding=roundings,
 )
-def test_quantize_and_dequantize_bitwise(n, lead, block, bits, dtype, specials, seed):
+def test_quantize_and_dequantize_bitwise(n, lead, block, bits, dtype, specials, seed, rounding):
     x = _data(seed, (lead, n), dtype, specials)
-    q = pk.quantize(x, bits, block, interpret=True)
-    _same(q, ref_quantize(x, bits, block))
+    q = pk.quantize(x, bits, block, rounding=rounding, interpret=True)
+    _same(q, ref_quantize(x, bits, block, rounding))
     out = DTYPES[seed % 3]
     _same(pk.dequantize(q, bits, n, out, interpret=True), ref_dequantize(q, bits, n, out))
 
@@ -80,12 +82,16 @@ def test_quantize_and_dequantize_bitwise(n, lead, block, bits, dtype, specials, 
     with_residual=st.booleans(),
     specials=st.booleans(),
     seed=st.integers(0, 999),
+    rounding=roundings,
 )
-def test_dequantize_sum_quantize_bitwise(k, size, block, bits, with_residual, specials, seed):
-    q = ref_quantize(_data(seed, (k, 2, size), jnp.float32, specials), bits, block)
+def test_dequantize_sum_quantize_bitwise(
+    k, size, block, bits, with_residual, specials, seed, rounding
+):
+    q = ref_quantize(_data(seed, (k, 2, size), jnp.float32, specials), bits, block, "nearest")
     residual = _data(seed + 1, (2, size), jnp.float32, False) * 0.1 if with_residual else None
-    ref = ref_dsq(q, bits, size, residual)
-    _same(pk.dequantize_sum_quantize(q, bits, size, residual, interpret=True), ref)
+    ref = ref_dsq(q, bits, size, residual, rounding)
+    got = pk.dequantize_sum_quantize(q, bits, size, residual, rounding=rounding, interpret=True)
+    _same(got, ref)
     # and the reference is what its docstring says
     total = sum(
         np.asarray(ref_dequantize(pk.QuantizedBlocks(q.codes[j], q.scales[j]), bits, size))
@@ -94,7 +100,7 @@ def test_dequantize_sum_quantize_bitwise(k, size, block, bits, with_residual, sp
     eb = q.codes.shape[-1] * (2 if bits == 4 else 1)
     if residual is not None:
         total = total + np.asarray(residual)
-    _same(ref[0], ref_quantize(jnp.asarray(total), bits, eb))
+    _same(ref[0], ref_quantize(jnp.asarray(total), bits, eb, rounding))
     if residual is not None:  # the new residual is what the requantization lost
         lost = total - np.asarray(ref_dequantize(ref[0], bits, size))
         np.testing.assert_array_equal(np.asarray(ref[1]), lost)
@@ -109,44 +115,81 @@ def test_dequantize_sum_quantize_bitwise(k, size, block, bits, with_residual, sp
     bits=st.sampled_from([4, 8]),
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 999),
+    rounding=roundings,
 )
-def test_quantize_reordered_bitwise(shape, s, block, bits, dtype, seed):
+def test_quantize_reordered_bitwise(shape, s, block, bits, dtype, seed, rounding):
     nodes, local = shape
     full = _data(seed, (nodes * local * s,), dtype, True)
-    q = pk.quantize_reordered(full, nodes, local, bits, block, interpret=True)
+    q = pk.quantize_reordered(full, nodes, local, bits, block, rounding=rounding, interpret=True)
     rows = full.reshape(nodes, local, s).swapaxes(0, 1)
-    _same(q, ref_quantize(rows, bits, block))
+    _same(q, ref_quantize(rows, bits, block, rounding))
     assert q.codes.shape[:2] == (local, nodes)
 
 
 @pytest.mark.parametrize(
-    "shape, dtype, bits, block",
+    "shape, dtype, bits, block, rounding",
     [
-        ((2, 1000), jnp.bfloat16, 4, 100),
-        ((777,), jnp.float16, 8, 64),
-        ((3, 5), jnp.float32, 4, 256),
+        ((2, 1000), jnp.bfloat16, 4, 100, "nearest"),
+        ((777,), jnp.float16, 8, 64, "nearest"),
+        ((3, 5), jnp.float32, 4, 256, "nearest"),
+        ((2, 1000), jnp.float32, 4, 64, "stochastic"),
+        ((777,), jnp.bfloat16, 8, 100, "stochastic"),
     ],
 )
-def test_fixed_cases_bitwise(shape, dtype, bits, block):
+def test_fixed_cases_bitwise(shape, dtype, bits, block, rounding):
     """A few hand-picked cases of every op (odd sizes, a block that is not a
     power of two, a row shorter than a block, zero and non-finite blocks);
     the hypothesis tests above search many more."""
     x = _data(3, shape, dtype, specials=True)
     n = shape[-1]
-    q = pk.quantize(x, bits, block, interpret=True)
-    _same(q, ref_quantize(x, bits, block))
+    q = pk.quantize(x, bits, block, rounding=rounding, interpret=True)
+    _same(q, ref_quantize(x, bits, block, rounding))
     _same(pk.dequantize(q, bits, n, dtype, interpret=True), ref_dequantize(q, bits, n, dtype))
-    stacked = ref_quantize(_data(4, (3, *shape), jnp.float32, True), bits, block)
+    stacked = ref_quantize(_data(4, (3, *shape), jnp.float32, True), bits, block, "nearest")
     residual = _data(5, shape, jnp.float32, False)
     _same(
-        pk.dequantize_sum_quantize(stacked, bits, n, residual, interpret=True),
-        ref_dsq(stacked, bits, n, residual),
+        pk.dequantize_sum_quantize(stacked, bits, n, residual, rounding=rounding, interpret=True),
+        ref_dsq(stacked, bits, n, residual, rounding),
     )
     full = _data(6, (8 * n,), dtype, True)
     _same(
-        pk.quantize_reordered(full, 2, 4, bits, block, interpret=True),
-        ref_quantize(full.reshape(2, 4, n).swapaxes(0, 1), bits, block),
+        pk.quantize_reordered(full, 2, 4, bits, block, rounding=rounding, interpret=True),
+        ref_quantize(full.reshape(2, 4, n).swapaxes(0, 1), bits, block, rounding),
     )
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_stochastic_rounding_is_unbiased_within_one_step(bits):
+    """Stochastic codes are x/scale rounded down or up: the error of every
+    element is under one step, and its mean is zero (nearest rounding of
+    values just above a half step, for contrast, is biased by 0.4 steps).
+    The dither is a hash of each value and its position in its block, so
+    only elements equal in both round alike."""
+    rng = np.random.default_rng(0)
+    block = 64
+    x = rng.standard_normal((2048, block)).astype(np.float32)
+    x[:, 0] = 8.0  # every block has the same scale, 8 / qmax rounded up
+    q = ref_quantize(jnp.asarray(x), bits, block, "stochastic")
+    step = np.asarray(q.scales).reshape(-1, 1)  # one block per row
+    err = (np.asarray(ref_dequantize(q, bits, block)) - x) / step
+    assert np.all(np.abs(err) < 1)
+    assert abs(err.mean()) < 0.005  # 4 standard errors of 2**17 draws of spread <= 0.5
+    # Values of 0.55 to 0.65 steps: nearest rounds every one up to a whole
+    # step, stochastic to 0 or 1 step with a mean of about 0.6.
+    frac = rng.uniform(0.55, 0.65, (512, block)).astype(np.float32)
+    small = frac * float(step[0, 0])
+    small[:, 0] = 8.0
+    means = {}
+    for rounding in pk.ROUNDINGS:
+        got = ref_dequantize(ref_quantize(jnp.asarray(small), bits, block, rounding), bits, block)
+        means[rounding] = float(np.mean((np.asarray(got) - small)[:, 1:]) / step[0, 0])
+    assert means["nearest"] == pytest.approx(1 - frac[:, 1:].mean(), abs=0.001)
+    assert abs(means["stochastic"]) < 0.01  # 4 standard errors of 32256 draws
+
+
+def test_rounding_must_be_known():
+    with pytest.raises(ValueError, match="rounding='up' is not supported"):
+        pk.quantize(jnp.ones(8), 8, 8, rounding="up")
 
 
 def test_aligned_multi_tile_sizes():
