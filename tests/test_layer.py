@@ -362,16 +362,17 @@ def test_bad_calls_are_named(mesh24):
         make_mesh(3, 3)
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_gradient_quantized_tensor_by_tensor_equals_flat(bits):
+def test_gradient_quantized_tensor_by_tensor_equals_flat(bits, rounding):
     """The blocks of the flat fp32 gradient, computed tensor by tensor
     (aligned leaves; gaps and padding as zero blocks), bit for bit."""
     from zpp_jax.layer import _quantize_flat_blocks
 
-    tree = {"a": jnp.arange(-50.0, 50.0).reshape(4, 25), "b": jnp.full((3,), 7.0), "c": -2.5}
+    tree = {"a": jnp.arange(-50.0, 50.0).reshape(4, 25) / 7, "b": jnp.full((3,), 7.3), "c": -2.5}
     layout = FlatLayout.from_tree(tree, 8, align=64)
-    ref = jax.jit(lambda t: quant.quantize(layout.flatten(t), bits, 32))(tree)
-    got = jax.jit(lambda t: _quantize_flat_blocks(layout, t, bits, 32))(tree)
+    ref = jax.jit(lambda t: quant.quantize(layout.flatten(t), bits, 32, rounding=rounding))(tree)
+    got = jax.jit(lambda t: _quantize_flat_blocks(layout, t, bits, 32, rounding))(tree)
     np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(ref.codes))
     np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(ref.scales))
 
@@ -387,8 +388,8 @@ def test_aligned_layer_gradients_match_the_flat_quantization(mesh24, monkeypatch
     assert layout.align % config.grad_block == 0  # the tensor-by-tensor path is taken
     _check_against_reference(mesh24, config, stack, x, by_tensor, shards, layout)
 
-    def flat(layout, tree, bits, block):
-        return quant.quantize(layout.flatten(tree), bits, block)
+    def flat(layout, tree, bits, block, rounding):
+        return quant.quantize(layout.flatten(tree), bits, block, rounding=rounding)
 
     monkeypatch.setattr(layer_module, "_quantize_flat_blocks", flat)
     # A fresh trace (not the cached program), so that the patch takes effect.

@@ -187,6 +187,7 @@ def hierarchical_reduce_scatter(
     block_size: int,
     residual: jax.Array | None = None,
     mean: bool = True,
+    rounding: str = "nearest",
 ) -> tuple[jax.Array, jax.Array | None]:
     """qgZ: quantized hierarchical reduction of `full` (N*s,) to this device's
     shard (s,) of the mean (or, with ``mean=False``, the sum) over all N
@@ -198,7 +199,8 @@ def hierarchical_reduce_scatter(
     arrived, sums it in fp32 and requantizes it with the same blocks;
     all-to-all over `node` on 1/local of the data; dequantize and sum in fp32.
     A step over an axis of size 1 moves nothing and is skipped, quantization
-    included.
+    included. Both quantizations round as `rounding` says ("nearest" or
+    "stochastic", see `pallas_kernels.quantize`).
 
     Bytes per device: (local-1)/local * N*s*bits/8 inside the node and
     (nodes-1)/nodes * nodes*s*bits/8 across nodes, plus 4 bytes per block of
@@ -260,24 +262,24 @@ def hierarchical_reduce_scatter(
         if blocks is not None:
             q = jax.tree.map(lambda a: _chunk_rows(a, nodes, local).swapaxes(0, 1), blocks)
         elif r_local is None:
-            q = kernels.quantize_reordered(full, nodes, local, bits, block_size)
+            q = kernels.quantize_reordered(full, nodes, local, bits, block_size, rounding=rounding)
         else:
             rows = full.reshape(nodes, local, s).swapaxes(0, 1) + r_local
-            q = kernels.quantize(rows, bits, block_size)
+            q = kernels.quantize(rows, bits, block_size, rounding=rounding)
             r_local = rows - kernels.dequantize(q, bits, s)
         arrived = _all_to_all(q, LOCAL)
         if nodes == 1:
             return _mean(_dequantize_sum(arrived, bits, s)[0], mean), _pack_residual(
                 residual, r_local, r_node
             )
-        q, r_node = kernels.dequantize_sum_quantize(arrived, bits, s, r_node)
+        q, r_node = kernels.dequantize_sum_quantize(arrived, bits, s, r_node, rounding=rounding)
     elif blocks is not None:
         q = jax.tree.map(lambda a: _chunk_rows(a, nodes, 1)[:, 0], blocks)
     else:
         rows = full.reshape(nodes, s)
         if r_node is not None:
             rows = rows + r_node
-        q = kernels.quantize(rows, bits, block_size)
+        q = kernels.quantize(rows, bits, block_size, rounding=rounding)
         if r_node is not None:
             r_node = rows - kernels.dequantize(q, bits, s)
     if nodes > 1:

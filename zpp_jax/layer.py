@@ -135,16 +135,38 @@ class ShardedLayer:
         blocks of its own, codes and scales concatenated), or the raw bits of
         `comm_dtype`."""
         cfg = self.config
-        if cfg.quantize_weights:
-            parts = [
-                kernels.quantize(shard[o : o + k], cfg.weight_bits, cfg.block_size)
-                for o, k in self.layout.segments
-            ]
-            return quant.QuantizedBlocks(
-                jnp.concatenate([q.codes.reshape(-1) for q in parts]),
-                jnp.concatenate([q.scales for q in parts]),
-            )
-        return collectives.to_bits(shard.astype(self._wire_dtype))
+        if not cfg.quantize_weights:
+            return collectives.to_bits(shard.astype(self._wire_dtype))
+        big, small, width = self._segment_groups()
+        codes, scales = [], []
+        for o, k in big:
+            q = kernels.quantize(shard[o : o + k], cfg.weight_bits, cfg.block_size)
+            codes.append(q.codes.reshape(-1))
+            scales.append(q.scales)
+        if small:
+            # The segments shorter than a block (biases, norm scales) are one
+            # block each: quantized together as the rows of one zero-padded
+            # matrix, one kernel instead of one per tensor. Their padding
+            # does not travel.
+            rows = jnp.stack([jnp.pad(shard[o : o + k], (0, width - k)) for o, k in small])
+            q = kernels.quantize(rows, cfg.weight_bits, width)
+            codes += [q.codes[i, 0, : self._code_bytes(k)] for i, (_, k) in enumerate(small)]
+            scales.append(q.scales.reshape(-1))
+        return quant.QuantizedBlocks(jnp.concatenate(codes), jnp.concatenate(scales))
+
+    def _segment_groups(self):
+        """The layout's segments split into those quantized one by one (a run
+        of whole blocks or a tensor longer than a block) and those shorter
+        than a block, quantized together as rows padded to `width`."""
+        cfg, segments = self.config, self.layout.segments
+        big = [(o, k) for o, k in segments if k >= cfg.block_size]
+        small = [(o, k) for o, k in segments if k < cfg.block_size]
+        width = max((k for _, k in small), default=0)
+        return big, small, width + width % 2
+
+    def _code_bytes(self, k: int) -> int:
+        """Bytes of codes of one block of `k` elements (int4: two per byte)."""
+        return (k + k % 2) // 2 if self.config.weight_bits == 4 else k
 
     @property
     def _wire_dtype(self):
@@ -170,17 +192,32 @@ class ShardedLayer:
         if not cfg.quantize_weights:
             values = collectives.from_bits(rows, self._wire_dtype).astype(jnp.float32)
             return layout.unflatten_rows(values, self.compute_dtype)
-        values, c0, s0 = [], 0, 0
-        for _, k in layout.segments:
+        big, small, width = self._segment_groups()
+        by_offset, c0, s0 = {}, 0, 0
+        for o, k in big:
             block = quant.effective_block_size(k, cfg.block_size, cfg.weight_bits)
-            nb, width = quant.num_blocks(k, block), block * cfg.weight_bits // 8
+            nb, nbytes = quant.num_blocks(k, block), block * cfg.weight_bits // 8
             q = quant.QuantizedBlocks(
-                rows.codes[:, c0 : c0 + nb * width].reshape(n, nb, width),
+                rows.codes[:, c0 : c0 + nb * nbytes].reshape(n, nb, nbytes),
                 rows.scales[:, s0 : s0 + nb],
             )
-            values.append(kernels.dequantize(q, cfg.weight_bits, k))
-            c0, s0 = c0 + nb * width, s0 + nb
-        return layout.from_segments(values, self.compute_dtype)
+            by_offset[o] = kernels.dequantize(q, cfg.weight_bits, k)
+            c0, s0 = c0 + nb * nbytes, s0 + nb
+        if small:
+            padded = []
+            for _, k in small:
+                nbytes = self._code_bytes(k)
+                piece = rows.codes[:, c0 : c0 + nbytes]
+                padded.append(jnp.pad(piece, ((0, 0), (0, self._code_bytes(width) - nbytes))))
+                c0 += nbytes
+            q = quant.QuantizedBlocks(
+                jnp.stack(padded, axis=1)[:, :, None],
+                rows.scales[:, s0 : s0 + len(small), None],
+            )
+            values = kernels.dequantize(q, cfg.weight_bits, width)
+            for i, (o, k) in enumerate(small):
+                by_offset[o] = values[:, i, :k]
+        return layout.from_segments([by_offset[o] for o, _ in layout.segments], self.compute_dtype)
 
     def _reduce(self, grads, residual):
         """The layer's weight gradient (a pytree) -> this device's shard of
@@ -197,18 +234,25 @@ class ShardedLayer:
                     if isinstance(layout, FlatLayout)
                     else _quantize_rows_by_tensor
                 )
-                flat = quantize(layout, grads, cfg.gradient_bits, cfg.grad_block)
+                flat = quantize(
+                    layout, grads, cfg.gradient_bits, cfg.grad_block, cfg.gradient_rounding
+                )
             else:
                 flat = layout.flatten_rows(grads).reshape(-1)
             return collectives.hierarchical_reduce_scatter(
-                flat, cfg.gradient_bits, cfg.grad_block, residual, mean=mean
+                flat,
+                cfg.gradient_bits,
+                cfg.grad_block,
+                residual,
+                mean=mean,
+                rounding=cfg.gradient_rounding,
             )
         flat = layout.flatten_rows(grads).reshape(-1)
         return collectives.reduce_scatter(flat, cfg.comm_dtype, mean=mean), None
 
 
 def _quantize_flat_blocks(
-    layout: FlatLayout, tree: PyTree, bits: int, block: int
+    layout: FlatLayout, tree: PyTree, bits: int, block: int, rounding: str
 ) -> quant.QuantizedBlocks:
     """``quantize(layout.flatten(tree), bits, block)`` bit for bit, computed
     tensor by tensor: codes (N*s/block, ...) and scales (N*s/block,). Needs
@@ -230,7 +274,7 @@ def _quantize_flat_blocks(
             continue
         count = -(-x.size // block)
         x = jnp.pad(x, (0, count * block - x.size))
-        q = kernels.quantize(x.reshape(count, block), bits, block)
+        q = kernels.quantize(x.reshape(count, block), bits, block, rounding=rounding)
         codes.append(q.codes.reshape(count, -1))
         scales.append(q.scales.reshape(count))
         end = offset + count * block
@@ -240,7 +284,7 @@ def _quantize_flat_blocks(
 
 
 def _quantize_rows_by_tensor(
-    layout: ParamLayout, tree: PyTree, bits: int, block: int
+    layout: ParamLayout, tree: PyTree, bits: int, block: int, rounding: str
 ) -> quant.QuantizedBlocks:
     """``quantize(layout.flatten_rows(tree).reshape(-1), bits, block)`` bit
     for bit, tensor by tensor: each parameter's rows (N, its block size) are
@@ -260,7 +304,7 @@ def _quantize_rows_by_tensor(
             zero_blocks((off - end) // block)
         count = -(-k // block)
         x = jnp.pad(layout.device_rows(leaves[i], i), ((0, 0), (0, count * block - k)))
-        q = kernels.quantize(x.reshape(n, count, block), bits, block)
+        q = kernels.quantize(x.reshape(n, count, block), bits, block, rounding=rounding)
         codes.append(q.codes)
         scales.append(q.scales)
         end = off + count * block

@@ -39,6 +39,11 @@ def _add_technique_flags(p: argparse.ArgumentParser) -> None:
         "--gradient-block-size", type=int, help="elements per gradient block (default 64)"
     )
     g.add_argument(
+        "--gradient-rounding",
+        choices=("stochastic", "nearest"),
+        help="rounding of gradient codes (default stochastic: unbiased)",
+    )
+    g.add_argument(
         "--comm-dtype",
         default="bfloat16",
         choices=("bfloat16", "float32", "float16"),
@@ -56,6 +61,7 @@ _TECHNIQUE_FLAGS = {
     "error_feedback": ("error_feedback", True),
     "block_size": ("block_size", None),
     "gradient_block_size": ("gradient_block_size", None),
+    "gradient_rounding": ("gradient_rounding", None),
 }
 
 
