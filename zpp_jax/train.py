@@ -142,9 +142,16 @@ class Trainer:
             loss, grads = self._accumulate(model, batch)
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        optimizer.update(model, grads)
-        new = nnx.state((model, optimizer))
-        new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, state)
+
+        def update(state):
+            model, optimizer = nnx.merge(self._graphdef, state, copy=True)
+            optimizer.update(model, grads)
+            return nnx.state((model, optimizer))
+
+        # A cond, not a select per leaf: the update then writes the donated
+        # buffers in place, instead of XLA copying every optimizer moment to
+        # keep the old value alive for the select.
+        new = jax.lax.cond(ok, update, lambda state: state, nnx.state((model, optimizer)))
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
         return new, metrics
 
