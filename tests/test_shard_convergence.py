@@ -9,12 +9,19 @@ from test_shard import EXACT, FULL
 
 import zpp_jax as zpp
 
+# The bound on ZeRO++'s end loss over ZeRO-3's. Measured with the defaults
+# (int8 weights, hpZ, int4 gradients with stochastic rounding): the two
+# Llama-style decoders end 2.7% and 2.8% above ZeRO-3, every other model
+# within 1% (1.7% for the MLP). With nearest rounding the decoders and the
+# ViT ended 9-10% above.
+GAP = 0.03
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", nnx_test.FAMILIES)
 def test_nnx_zeropp_trains_like_zero3(name, mesh24):
-    """100 steps on a learnable task: ZeRO++ (int8 weights, hpZ, int8
-    gradients) ends within 2% of ZeRO-3's loss (means of the last 10)."""
+    """100 steps on a learnable task: ZeRO++ (int8 weights, hpZ, int4
+    gradients) ends within GAP of ZeRO-3's loss (means of the last 10)."""
     family = nnx_test.FAMILIES[name]
     z3, _ = nnx_test.train(family, zpp.shard(family.make(0), mesh24, EXACT), 100, mesh24)
     zpp_losses, _ = nnx_test.train(family, zpp.shard(family.make(0), mesh24, FULL), 100, mesh24)
@@ -22,14 +29,14 @@ def test_nnx_zeropp_trains_like_zero3(name, mesh24):
     gap = (endpp - end3) / end3
     print(f"{name}: loss {first:.4f} -> ZeRO-3 {end3:.4f}, ZeRO++ {endpp:.4f}, gap {gap:+.2%}")
     assert end3 < 0.9 * first  # the task is learned
-    assert abs(gap) <= 0.02
+    assert abs(gap) <= GAP
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", linen_test.FAMILIES)
 def test_linen_zeropp_trains_like_zero3(name, mesh24):
-    """100 steps, dropout on: ZeRO++ (int8 gradients) ends within 2% of ZeRO-3's loss
-    (means of the last 10)."""
+    """100 steps, dropout on: ZeRO++ (int8 weights, hpZ, int4 gradients)
+    ends within GAP of ZeRO-3's loss (means of the last 10)."""
     family = linen_test.FAMILIES[name]
     module, variables = family.make(0)
     ends = {}
@@ -42,4 +49,4 @@ def test_linen_zeropp_trains_like_zero3(name, mesh24):
     gap = (endpp - end3) / end3
     print(f"{name}: loss {first:.4f} -> ZeRO-3 {end3:.4f}, ZeRO++ {endpp:.4f}, gap {gap:+.2%}")
     assert end3 < 0.9 * first
-    assert abs(gap) <= 0.02
+    assert abs(gap) <= GAP

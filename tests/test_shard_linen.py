@@ -26,6 +26,8 @@ def train(family, module, variables, steps, mesh=None, apply=None):
     params = variables["params"]
     stats = {k: v for k, v in variables.items() if k != "params"}
     opt_state = tx.init(params)
+    if mesh is not None:
+        stats, opt_state = zoo.on_mesh((stats, opt_state), mesh)
     mutable = list(stats)
 
     @jax.jit
