@@ -9,10 +9,10 @@ import numpy as np
 from zpp_jax import quant
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def roundtrip(x, bits, block):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def roundtrip(x, bits, block, rounding="nearest"):
     """dequantize(quantize(x)) along the last axis, in fp32."""
-    return quant.dequantize(quant.quantize(x, bits, block), bits, x.shape[-1])
+    return quant.dequantize(quant.quantize(x, bits, block, rounding=rounding), bits, x.shape[-1])
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -27,21 +27,23 @@ def quant_steps(x, bits, block):
     return np.repeat(np.asarray(scales), eb, axis=-1)[..., : x.shape[-1]]
 
 
-def two_rounding_bound(g, nodes, local, bits, block):
+def two_rounding_bound(g, nodes, local, bits, block, rounding="nearest"):
     """Elementwise bound on |hierarchical_reduce_scatter - exact mean| for the
-    per-device full vectors `g` (N, N*s): half a step of each of the two
-    quantizations every element goes through, recomputed with the reference
-    numerics. Returns (N*s,) in the order of the reduced vector."""
+    per-device full vectors `g` (N, N*s): half a step (nearest rounding) or
+    a whole step (stochastic) of each of the two quantizations every element
+    goes through, recomputed with the reference numerics. Returns (N*s,) in
+    the order of the reduced vector."""
+    half = 0.5 if rounding == "nearest" else 1.0
     n, full = g.shape
     s = full // n
     rows = g.reshape(nodes, local, nodes, local, s).transpose(0, 1, 3, 2, 4)  # [n, l', l, m, i]
     step1 = quant_steps(rows, bits, block)  # quantized on device (n, l'), chunk for peer l, node m
     if local == 1:  # one quantization only: straight across nodes
-        return (0.5 * step1.sum(axis=(0, 1))).transpose(1, 0, 2).reshape(-1) / n
-    deq1 = np.asarray(roundtrip(jnp.asarray(rows, jnp.float32), bits, block))
+        return (half * step1.sum(axis=(0, 1))).transpose(1, 0, 2).reshape(-1) / n
+    deq1 = np.asarray(roundtrip(jnp.asarray(rows, jnp.float32), bits, block, rounding))
     partial = deq1.sum(axis=1)  # on device (n, l): [n, l, m, i]
     step2 = quant_steps(partial, bits, block)  # [n, l, m, i]
-    b1 = 0.5 * step1.sum(axis=1).reshape(nodes, local, nodes, s).sum(axis=0)  # [l, m, i]
-    b2 = 0.5 * step2.sum(axis=0) if nodes > 1 else 0.0  # [l, m, i]
+    b1 = half * step1.sum(axis=1).reshape(nodes, local, nodes, s).sum(axis=0)  # [l, m, i]
+    b2 = half * step2.sum(axis=0) if nodes > 1 else 0.0  # [l, m, i]
     bound = (b1 + b2).transpose(1, 0, 2).reshape(-1)  # destination (m, l) order
     return bound / n

@@ -188,7 +188,9 @@ def test_zeropp_inside_the_stages_within_the_reduction_bound(reference4):
     mean = per_device.astype(np.float64).mean(0)
     scale = np.max(np.abs(mean))
     for layer in range(CFG.n_layers):
-        bound = two_rounding_bound(per_device[:, layer], 2, 2, 4, config.grad_block)
+        bound = two_rounding_bound(
+            per_device[:, layer], 2, 2, 4, config.grad_block, config.gradient_rounding
+        )
         err = np.abs(flat[layer] - mean[layer])
         assert np.all(err <= bound * (1 + 1e-4) + 1e-5 * scale)
         assert np.max(err) > 0  # the gradients were quantized

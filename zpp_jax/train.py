@@ -151,7 +151,9 @@ class Trainer:
         # A cond, not a select per leaf: the update then writes the donated
         # buffers in place, instead of XLA copying every optimizer moment to
         # keep the old value alive for the select.
-        new = jax.lax.cond(ok, update, lambda state: state, nnx.state((model, optimizer)))
+        # A skipped step returns the state it was given, error-feedback
+        # residuals included (the forward and backward pass updated them).
+        new = jax.lax.cond(ok, update, lambda _: state, nnx.state((model, optimizer)))
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
         return new, metrics
 
