@@ -16,6 +16,7 @@ from pallas_kernels import _reference as reference
 from pallas_kernels._reference import (
     FLOAT_DTYPES,
     ROUNDINGS,
+    SCALE_DTYPES,
     SUPPORTED_BITS,
     QuantizedBlocks,
     effective_block_size,
@@ -32,6 +33,7 @@ from pallas_kernels.requantize import dequantize_sum_quantize
 __all__ = [
     "FLOAT_DTYPES",
     "ROUNDINGS",
+    "SCALE_DTYPES",
     "SUPPORTED_BITS",
     "QuantizedBlocks",
     "dequantize",

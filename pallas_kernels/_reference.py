@@ -10,7 +10,9 @@ match it bit for bit:
   in fp32 with ``qmax = 2**(bits-1) - 1`` (127 for int8, 7 for int4:
   symmetric, no zero point, the code -2**(bits-1) is never produced).
   ``round_up_16`` rounds the fp32 scale up to 16 significant bits (clears the
-  low 8 mantissa bits, rounding away from zero). Then every ``code * scale``
+  low 8 mantissa bits, rounding away from zero); with
+  ``scale_dtype="bfloat16"`` to 8 (the low 16 bits: the scale is then exact
+  in bf16 and may travel in 2 bytes). Then every ``code * scale``
   is exact in fp32, so dequantization, sums of dequantized values and the
   error-feedback residual round identically whether or not a compiler fuses
   the multiply into an add (FMA): kernels match the reference bit for bit on
@@ -52,6 +54,9 @@ import numpy as np
 
 SUPPORTED_BITS = (4, 8)
 ROUNDINGS = ("nearest", "stochastic")
+# The dtype scales are exact in, so that they may travel in it: fp32 scales
+# are rounded up to 16 significant bits, bf16 ones to 8 (2 bytes a block).
+SCALE_DTYPES = ("float32", "bfloat16")
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -87,6 +92,11 @@ def check_block_size(block_size: int, bits: int) -> None:
             f"block_size={block_size} is odd; 4-bit codes are packed two per byte "
             "within a block, so use an even block_size"
         )
+
+
+def check_scale_dtype(scale_dtype: str) -> None:
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype={scale_dtype!r} is not supported; use one of {SCALE_DTYPES}")
 
 
 def check_rounding(rounding: str) -> None:
@@ -140,8 +150,16 @@ def block_of(q: QuantizedBlocks, bits: int) -> int:
 def round_up_16(scale: jax.Array) -> jax.Array:
     """Round non-negative fp32 values up to 16 significant bits (Inf and NaN
     stay as they are; IEEE ordering makes the carry into the exponent right)."""
+    return round_up_scale(scale, "float32")
+
+
+def round_up_scale(scale: jax.Array, scale_dtype: str) -> jax.Array:
+    """Round non-negative fp32 scales up to 16 significant bits ("float32")
+    or 8 ("bfloat16": then exact in bf16). Inf and NaN stay as they are; IEEE
+    ordering makes the carry into the exponent right."""
+    low = 0xFF if scale_dtype == "float32" else 0xFFFF
     u = jax.lax.bitcast_convert_type(scale, jnp.uint32)
-    u = (u + jnp.uint32(0xFF)) & jnp.uint32(0xFFFFFF00)
+    u = (u + jnp.uint32(low)) & jnp.uint32(0xFFFFFFFF ^ low)
     rounded = jax.lax.bitcast_convert_type(u, jnp.float32)
     # `< inf` rather than isfinite: the same test inside the Triton kernels.
     return jnp.where(scale < jnp.inf, rounded, scale)
@@ -192,7 +210,11 @@ def _magnitude(x: jax.Array) -> jax.Array:
 
 
 def quantize(
-    x: jax.Array, bits: int, block_size: int, rounding: str = "nearest"
+    x: jax.Array,
+    bits: int,
+    block_size: int,
+    rounding: str = "nearest",
+    scale_dtype: str = "float32",
 ) -> QuantizedBlocks:
     """Block-quantize `x` along its last axis (see the module docstring).
 
@@ -201,6 +223,7 @@ def quantize(
     """
     check_float(x.dtype, "quantize")
     check_rounding(rounding)
+    check_scale_dtype(scale_dtype)
     n = x.shape[-1]
     block = effective_block_size(n, block_size, bits)
     nb = num_blocks(n, block)
@@ -210,7 +233,7 @@ def quantize(
         xf = jnp.pad(xf, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
     xf = xf.reshape(*x.shape[:-1], nb, block)
     absmax = jnp.max(_magnitude(xf), axis=-1)
-    scales = round_up_16(absmax / jnp.float32(qmax(bits)))
+    scales = round_up_scale(absmax / jnp.float32(qmax(bits)), scale_dtype)
     finite = scales < jnp.inf
     safe = jnp.where((scales == 0) | ~finite, jnp.float32(1), scales)
     y = xf / safe[..., None]
@@ -243,6 +266,7 @@ def dequantize_sum_quantize(
     size: int,
     residual: jax.Array | None,
     rounding: str = "nearest",
+    scale_dtype: str = "float32",
 ) -> tuple[QuantizedBlocks, jax.Array | None]:
     """Sum over the leading axis of the dequantized inputs, left to right in
     fp32, plus `residual`; requantize with the same blocks; the new residual is
@@ -253,13 +277,19 @@ def dequantize_sum_quantize(
         total = part if total is None else total + part
     if residual is not None:
         total = total + residual.astype(jnp.float32)
-    out = quantize(total, bits, block_of(q, bits), rounding)
+    out = quantize(total, bits, block_of(q, bits), rounding, scale_dtype)
     new = None if residual is None else total - dequantize(out, bits, size)
     return out, new
 
 
 def quantize_reordered(
-    full: jax.Array, nodes: int, local: int, bits: int, block_size: int, rounding: str = "nearest"
+    full: jax.Array,
+    nodes: int,
+    local: int,
+    bits: int,
+    block_size: int,
+    rounding: str = "nearest",
+    scale_dtype: str = "float32",
 ) -> QuantizedBlocks:
     """quantize(full.reshape(nodes, local, s).swapaxes(0, 1)): blocks of shape
     (local, nodes, nb, ...), row [l, n] = chunk n*local + l of `full`."""
@@ -267,5 +297,5 @@ def quantize_reordered(
     # Each chunk is a row with its own blocks either way, so quantizing in
     # place and swapping the chunk axes of codes and scales gives the same
     # bits, and the swap moves 1/8 (int4) of the bytes of the fp32 input.
-    q = quantize(full.reshape(nodes, local, s), bits, block_size, rounding)
+    q = quantize(full.reshape(nodes, local, s), bits, block_size, rounding, scale_dtype)
     return jax.tree.map(lambda a: a.swapaxes(0, 1), q)

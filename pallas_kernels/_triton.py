@@ -82,7 +82,7 @@ def _positions(parts, block):
     ]
 
 
-def _quantize_parts(parts, bits, rounding="nearest", block=0):
+def _quantize_parts(parts, bits, rounding="nearest", block=0, scale_dtype="float32"):
     """fp32 parts of a tile of blocks (each (R, w)) -> float codes per part,
     scales (R,). `block` (the block's element count) places the elements of
     each part for stochastic rounding."""
@@ -93,7 +93,7 @@ def _quantize_parts(parts, bits, rounding="nearest", block=0):
         a = jnp.abs(p)
         m = jnp.max(jnp.where(a < jnp.inf, a, jnp.inf), axis=1)
         absmax = m if absmax is None else jnp.maximum(absmax, m)
-    scales = ref.round_up_16(absmax / qmax)
+    scales = ref.round_up_scale(absmax / qmax, scale_dtype)
     finite = scales < jnp.inf
     safe = jnp.where((scales == 0) | ~finite, 1.0, scales)
     if rounding == "stochastic":
@@ -165,14 +165,21 @@ def _blocked(x: jax.Array, block: int, bits: int) -> tuple[jax.Array, int, int]:
 # -- quantize (optionally with the leading axes swapped) ------------------------
 
 
-def _quantize_kernel(bits, rounding, block, x_ref, c_ref, s_ref):
-    codes, scales = _quantize_parts(_load_parts(x_ref, bits == 4), bits, rounding, block)
+def _quantize_kernel(bits, rounding, block, scale_dtype, x_ref, c_ref, s_ref):
+    parts = _load_parts(x_ref, bits == 4)
+    codes, scales = _quantize_parts(parts, bits, rounding, block, scale_dtype)
     _store_codes(c_ref, codes, bits)
     s_ref[...] = scales
 
 
 def quantize_4d(
-    x: jax.Array, bits: int, block: int, swap: bool, interpret: bool, rounding: str = "nearest"
+    x: jax.Array,
+    bits: int,
+    block: int,
+    swap: bool,
+    interpret: bool,
+    rounding: str = "nearest",
+    scale_dtype: str = "float32",
 ):
     """x (A, B, n) -> QuantizedBlocks of (B, A, nb, ...) if `swap` else (A, B, nb, ...)."""
     a, b, _ = x.shape
@@ -192,7 +199,7 @@ def quantize_4d(
         in_spec = pl.BlockSpec((None, None, r, w), lambda i, j, t: (*src(i, j, t), 0))
     grid = (out_lead[0], out_lead[1], nbp // r)
     codes, scales = _call(
-        functools.partial(_quantize_kernel, bits, rounding, block),
+        functools.partial(_quantize_kernel, bits, rounding, block, scale_dtype),
         grid,
         [in_spec],
         [
@@ -210,23 +217,29 @@ def quantize_4d(
 
 
 def quantize(
-    x: jax.Array, bits: int, block_size: int, interpret: bool, rounding: str = "nearest"
+    x: jax.Array,
+    bits: int,
+    block_size: int,
+    interpret: bool,
+    rounding: str = "nearest",
+    scale_dtype: str = "float32",
 ) -> QuantizedBlocks:
     lead = x.shape[:-1]
     block = ref.effective_block_size(x.shape[-1], block_size, bits)
     x3 = x.reshape(1, math.prod(lead), x.shape[-1])
-    q = quantize_4d(x3, bits, block, False, interpret, rounding)
+    q = quantize_4d(x3, bits, block, False, interpret, rounding, scale_dtype)
     return QuantizedBlocks(
         q.codes.reshape(*lead, *q.codes.shape[2:]), q.scales.reshape(*lead, q.scales.shape[-1])
     )
 
 
 def quantize_reordered(
-    full, nodes, local, bits, block_size, interpret, rounding="nearest"
+    full, nodes, local, bits, block_size, interpret, rounding="nearest", scale_dtype="float32"
 ) -> QuantizedBlocks:
     s = full.shape[-1] // (nodes * local)
     block = ref.effective_block_size(s, block_size, bits)
-    return quantize_4d(full.reshape(nodes, local, s), bits, block, True, interpret, rounding)
+    x = full.reshape(nodes, local, s)
+    return quantize_4d(x, bits, block, True, interpret, rounding, scale_dtype)
 
 
 # -- dequantize ----------------------------------------------------------------
@@ -292,7 +305,7 @@ def dequantize(q: QuantizedBlocks, bits: int, size: int, dtype, interpret: bool)
 # -- fused dequantize -> sum over k -> (+ residual) -> requantize ----------------
 
 
-def _dsq_kernel(bits, k, with_residual, rounding, block, c_ref, s_ref, *refs):
+def _dsq_kernel(bits, k, with_residual, rounding, block, scale_dtype, c_ref, s_ref, *refs):
     if with_residual:
         r_ref, oc_ref, os_ref, or_ref = refs
     else:
@@ -304,7 +317,7 @@ def _dsq_kernel(bits, k, with_residual, rounding, block, c_ref, s_ref, *refs):
         total = parts if total is None else [a + b for a, b in zip(total, parts, strict=True)]
     if with_residual:
         total = [a + b for a, b in zip(total, _load_parts(r_ref, bits == 4), strict=True)]
-    codes, scales = _quantize_parts(total, bits, rounding, block)
+    codes, scales = _quantize_parts(total, bits, rounding, block, scale_dtype)
     _store_codes(oc_ref, codes, bits)
     os_ref[...] = scales
     if with_residual:
@@ -312,7 +325,9 @@ def _dsq_kernel(bits, k, with_residual, rounding, block, c_ref, s_ref, *refs):
         _store_parts(or_ref, lost, jnp.float32)
 
 
-def dequantize_sum_quantize(q, bits, size, residual, interpret, rounding="nearest"):
+def dequantize_sum_quantize(
+    q, bits, size, residual, interpret, rounding="nearest", scale_dtype="float32"
+):
     k = q.codes.shape[0]
     sub = QuantizedBlocks(q.codes[0], q.scales[0])
     _, _, lead, nb, c, w, r, nbp = _codes_blocked(sub, bits)
@@ -342,7 +357,7 @@ def dequantize_sum_quantize(q, bits, size, residual, interpret, rounding="neares
         out_specs.append(_parts_spec(r, w, bits))
         out_shape.append(_parts_shape(g, nbp, w, bits, jnp.float32))
     outs = _call(
-        functools.partial(_dsq_kernel, bits, k, with_residual, rounding, block),
+        functools.partial(_dsq_kernel, bits, k, with_residual, rounding, block, scale_dtype),
         (g, nbp // r),
         in_specs,
         out_specs,

@@ -19,6 +19,7 @@ def quantize_reordered(
     block_size: int,
     *,
     rounding: str = "nearest",
+    scale_dtype: str = "float32",
     interpret: bool = False,
 ) -> QuantizedBlocks:
     """Quantize a full gradient (nodes*local*s,) straight into the order the
@@ -31,18 +32,28 @@ def quantize_reordered(
     _reference.check_float(full.dtype, "quantize_reordered")
     _reference.check_block_size(block_size, bits)
     _reference.check_rounding(rounding)
+    _reference.check_scale_dtype(scale_dtype)
     if full.ndim != 1 or full.shape[0] % (nodes * local):
         raise ValueError(
             f"quantize_reordered needs a 1-D vector whose length is a multiple of "
             f"{nodes * local}, got shape {full.shape}"
         )
-    return _quantize_reordered(full, nodes, local, bits, block_size, rounding, interpret)
+    return _quantize_reordered(
+        full, nodes, local, bits, block_size, rounding, scale_dtype, interpret
+    )
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
-def _quantize_reordered(full, nodes, local, bits, block_size, rounding, interpret):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7))
+def _quantize_reordered(full, nodes, local, bits, block_size, rounding, scale_dtype, interpret):
     # Under jit, tracing both backends happens once per shape, not per call.
-    static = dict(nodes=nodes, local=local, bits=bits, block_size=block_size, rounding=rounding)
+    static = dict(
+        nodes=nodes,
+        local=local,
+        bits=bits,
+        block_size=block_size,
+        rounding=rounding,
+        scale_dtype=scale_dtype,
+    )
     return by_platform(
         functools.partial(_triton.quantize_reordered, **static),
         functools.partial(_reference.quantize_reordered, **static),

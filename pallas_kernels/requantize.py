@@ -20,12 +20,13 @@ def dequantize_sum_quantize(
     residual: jax.Array | None = None,
     *,
     rounding: str = "nearest",
+    scale_dtype: str = "float32",
     interpret: bool = False,
 ) -> tuple[QuantizedBlocks, jax.Array | None]:
     """`q` holds k quantized inputs stacked on a leading axis (codes
     ``(k, ..., nb, c)``); returns their fp32 sum (left to right, plus
     `residual` of shape ``(..., size)`` if given) requantized with the same
-    blocks (`rounding` as in `quantize`), and the new residual (fp32: what
+    blocks (`rounding` and `scale_dtype` as in `quantize`), and the new residual (fp32: what
     the requantization lost) or None.
 
     One pass: reads k x (codes + scales) and the residual, writes one set of
@@ -33,17 +34,20 @@ def dequantize_sum_quantize(
     """
     _reference.check_bits(bits)
     _reference.check_rounding(rounding)
-    return _dequantize_sum_quantize(q, residual, bits, size, rounding, interpret)
+    _reference.check_scale_dtype(scale_dtype)
+    return _dequantize_sum_quantize(q, residual, bits, size, rounding, scale_dtype, interpret)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
-def _dequantize_sum_quantize(q, residual, bits, size, rounding, interpret):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
+def _dequantize_sum_quantize(q, residual, bits, size, rounding, scale_dtype, interpret):
     # Under jit, tracing both backends happens once per shape, not per call.
     return by_platform(
         lambda q, residual, interpret: _triton.dequantize_sum_quantize(
-            q, bits, size, residual, interpret, rounding
+            q, bits, size, residual, interpret, rounding, scale_dtype
         ),
-        lambda q, residual: _reference.dequantize_sum_quantize(q, bits, size, residual, rounding),
+        lambda q, residual: _reference.dequantize_sum_quantize(
+            q, bits, size, residual, rounding, scale_dtype
+        ),
         interpret,
         q,
         residual,

@@ -153,6 +153,28 @@ def test_int4_travels_two_codes_per_byte(mesh24):
     assert inter_bytes * 8 * local <= fp32_bytes * 1.04  # scales: 4 bytes per 128 code bytes
 
 
+def test_bf16_scales_travel_in_two_bytes(mesh24):
+    """With scale_dtype="bfloat16" the scales cross as 16-bit words (2 bytes
+    a block), and the result stays within the reduction's error bound."""
+    nodes, local, s, block = 2, 4, 1024, 32
+
+    def body(full):
+        out, _ = collectives.hierarchical_reduce_scatter(full[0], 4, block, scale_dtype="bfloat16")
+        return out
+
+    f = _smap(mesh24, body, P(AXES, None), P(AXES))
+    g = _per_device_full(mesh24, s)
+    hlo = f.lower(g).compile().as_text()
+    a2a = [c for c in collectives_in_hlo(hlo) if c.kind == "all-to-all"]
+    inter = [c for c in a2a if c.spans_nodes(local)]
+    assert sorted(c.dtypes for c in inter) == [("u16",) * nodes, ("u8",) * nodes]
+    assert sorted(c.result_bytes for c in inter) == [2 * (nodes * s // block), nodes * s // 2]
+    out = np.asarray(f(g), np.float64)
+    exact = np.asarray(g, np.float64).mean(0)
+    bound = two_rounding_bound(np.asarray(g), nodes, local, 4, block, scale_dtype="bfloat16")
+    assert np.all(np.abs(out - exact) <= bound * (1 + 1e-5) + 1e-12)
+
+
 def test_bf16_wire_is_16_bit_and_accumulates_in_fp32(mesh24):
     n, s = 8, 64
     g = _per_device_full(mesh24, s)

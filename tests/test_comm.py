@@ -70,9 +70,9 @@ def test_zeropp_matches_the_analytic_count(mesh):
     layout = _layout(model.blocks, DEFAULT_CONFIGS["zeropp"], n, stacked=True)
     # weights: each segment (the run of whole 256-blocks, then every other
     # tensor's block) quantized on its own, its padding not sent; gradients:
-    # the whole per-device vector in 64-blocks
+    # the whole per-device vector in 32-blocks with bf16 scales
     w8 = sum(quant.wire_bytes(k, 8, 256) for _, k in layout.segments)
-    w4 = quant.wire_bytes(layout.shard_size, 4, 64)
+    w4 = quant.wire_bytes(layout.shard_size, 4, 32, scale_bytes=2)
     layers = CFG.n_layers
     # hpZ gathers the int8 forward weight over `node` (the secondary shard),
     # then over `local`; the backward gathers over `local` only.

@@ -73,5 +73,5 @@ def test_odd_block_is_fine_without_int4():
 def test_alignment_is_the_lcm_of_active_blocks():
     assert ZeroPPConfig().alignment == 256
     assert ZeroPPConfig(block_size=96, gradient_block_size=64).alignment == 192
-    assert ZeroPPConfig(quantize_weights=False).alignment == 64
+    assert ZeroPPConfig(quantize_weights=False).alignment == 32
     assert ZeroPPConfig.zero3().alignment == 1

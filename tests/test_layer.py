@@ -160,15 +160,16 @@ def test_each_switch_changes_only_its_own_collectives(mesh24):
         ),
         # hpZ: over `node` then `local` forward, over `local` alone backward
         "hpz": ({"hpz": True}, [(2, u32), (4, u32), (4, u32)], base_g),
-        # qgZ: codes and scales all-to-all inside the node, then across nodes
+        # qgZ: codes and scales (bf16 bits) all-to-all inside the node, then
+        # across nodes
         "qgz": (
             {"quantize_gradients": True},
             base_w,
-            [("all-to-all", 2, f32 * 2), ("all-to-all", 2, u8 * 2)]
-            + [("all-to-all", 4, f32 * 4), ("all-to-all", 4, u8 * 4)],
+            [("all-to-all", 2, u16 * 2), ("all-to-all", 2, u8 * 2)]
+            + [("all-to-all", 4, u16 * 4), ("all-to-all", 4, u8 * 4)],
         ),
-        "qgz int8": (
-            {"quantize_gradients": True, "gradient_bits": 8},
+        "qgz int8, fp32 scales": (
+            {"quantize_gradients": True, "gradient_bits": 8, "gradient_scale_dtype": "float32"},
             base_w,
             [("all-to-all", 2, f32 * 2), ("all-to-all", 2, s8 * 2)]
             + [("all-to-all", 4, f32 * 4), ("all-to-all", 4, s8 * 4)],
@@ -261,6 +262,7 @@ def _check_against_reference(mesh, config, stack, x, flat_grads, shards, layout)
                     config.gradient_bits,
                     config.grad_block,
                     config.gradient_rounding,
+                    config.gradient_scale_dtype,
                 )
                 for i in range(ref.shape[0])
             ]
@@ -373,7 +375,7 @@ def test_gradient_quantized_tensor_by_tensor_equals_flat(bits, rounding):
     tree = {"a": jnp.arange(-50.0, 50.0).reshape(4, 25) / 7, "b": jnp.full((3,), 7.3), "c": -2.5}
     layout = FlatLayout.from_tree(tree, 8, align=64)
     ref = jax.jit(lambda t: quant.quantize(layout.flatten(t), bits, 32, rounding=rounding))(tree)
-    got = jax.jit(lambda t: _quantize_flat_blocks(layout, t, bits, 32, rounding))(tree)
+    got = jax.jit(lambda t: _quantize_flat_blocks(layout, t, bits, 32, rounding, "float32"))(tree)
     np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(ref.codes))
     np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(ref.scales))
 
@@ -392,8 +394,10 @@ def test_aligned_layer_gradients_match_the_flat_quantization(mesh24, monkeypatch
     assert layout.align % config.grad_block == 0  # the tensor-by-tensor path is taken
     _check_against_reference(mesh24, config, stack, x, by_tensor, shards, layout)
 
-    def flat(layout, tree, bits, block, rounding):
-        return quant.quantize(layout.flatten(tree), bits, block, rounding=rounding)
+    def flat(layout, tree, bits, block, rounding, scale_dtype):
+        return quant.quantize(
+            layout.flatten(tree), bits, block, rounding=rounding, scale_dtype=scale_dtype
+        )
 
     monkeypatch.setattr(layer_module, "_quantize_flat_blocks", flat)
     # A fresh trace (not the cached program), so that the patch takes effect.

@@ -189,7 +189,13 @@ def test_zeropp_inside_the_stages_within_the_reduction_bound(reference4):
     scale = np.max(np.abs(mean))
     for layer in range(CFG.n_layers):
         bound = two_rounding_bound(
-            per_device[:, layer], 2, 2, 4, config.grad_block, config.gradient_rounding
+            per_device[:, layer],
+            2,
+            2,
+            4,
+            config.grad_block,
+            config.gradient_rounding,
+            config.gradient_scale_dtype,
         )
         err = np.abs(flat[layer] - mean[layer])
         assert np.all(err <= bound * (1 + 1e-4) + 1e-5 * scale)

@@ -109,6 +109,7 @@ def test_wire_bytes():
     assert quant.wire_bytes(1000, 8, 256) == 4 * 256 + 4 * 4
     assert quant.wire_bytes(1000, 4, 256) == 4 * 128 + 4 * 4
     assert quant.wire_bytes(10, 4, 256) == 5 + 4  # one block of its own length
+    assert quant.wire_bytes(1000, 4, 32, scale_bytes=2) == 32 * 16 + 2 * 32
 
 
 def test_bad_input():

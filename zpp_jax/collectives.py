@@ -105,11 +105,22 @@ def from_bits(x: jax.Array, dtype) -> jax.Array:
     return lax.bitcast_convert_type(x, dtype)
 
 
-def _all_to_all(q: quant.QuantizedBlocks, axis: str) -> quant.QuantizedBlocks:
+def _all_to_all(
+    q: quant.QuantizedBlocks, axis: str, scale_dtype: str = "float32"
+) -> quant.QuantizedBlocks:
     """Row j of codes and of scales to peer j along `axis` (tiled over the
     leading axis). Codes and scales travel as two collectives: packing them
-    into one buffer cost XLA:CPU a full extra pass to interleave and split."""
-    return jax.tree.map(lambda a: lax.all_to_all(a, axis, 0, 0, tiled=True), q)
+    into one buffer cost XLA:CPU a full extra pass to interleave and split.
+    Scales travel in `scale_dtype`, which they are exact in, as raw bits
+    (XLA:CPU would otherwise widen a bf16 collective back to fp32)."""
+
+    def send(a):
+        return lax.all_to_all(a, axis, 0, 0, tiled=True)
+
+    if scale_dtype == "float32":
+        return quant.QuantizedBlocks(send(q.codes), send(q.scales))
+    scales = send(to_bits(q.scales.astype(scale_dtype)))
+    return quant.QuantizedBlocks(send(q.codes), from_bits(scales, scale_dtype).astype(jnp.float32))
 
 
 def quantized_gather(shard: jax.Array, bits: int, block_size: int) -> quant.QuantizedBlocks:
@@ -188,6 +199,7 @@ def hierarchical_reduce_scatter(
     residual: jax.Array | None = None,
     mean: bool = True,
     rounding: str = "nearest",
+    scale_dtype: str = "float32",
 ) -> tuple[jax.Array, jax.Array | None]:
     """qgZ: quantized hierarchical reduction of `full` (N*s,) to this device's
     shard (s,) of the mean (or, with ``mean=False``, the sum) over all N
@@ -200,12 +212,14 @@ def hierarchical_reduce_scatter(
     all-to-all over `node` on 1/local of the data; dequantize and sum in fp32.
     A step over an axis of size 1 moves nothing and is skipped, quantization
     included. Both quantizations round as `rounding` says ("nearest" or
-    "stochastic", see `pallas_kernels.quantize`).
+    "stochastic") and make scales exact in `scale_dtype`, the dtype they
+    travel in ("float32" or "bfloat16": 4 or 2 bytes a block; see
+    `pallas_kernels.quantize`).
 
     Bytes per device: (local-1)/local * N*s*bits/8 inside the node and
-    (nodes-1)/nodes * nodes*s*bits/8 across nodes, plus 4 bytes per block of
-    scales: with int4, 1/(8*local) of what an fp32 reduce-scatter sends across
-    nodes.
+    (nodes-1)/nodes * nodes*s*bits/8 across nodes, plus 4 (fp32) or 2 (bf16)
+    bytes per block of scales: with int4, about 1/(8*local) of what an fp32
+    reduce-scatter sends across nodes.
 
     With `residual` (shape ``(residual_size(s, nodes, local),)``), the error of
     each quantization is added back before the same quantization next call
@@ -262,28 +276,32 @@ def hierarchical_reduce_scatter(
         if blocks is not None:
             q = jax.tree.map(lambda a: _chunk_rows(a, nodes, local).swapaxes(0, 1), blocks)
         elif r_local is None:
-            q = kernels.quantize_reordered(full, nodes, local, bits, block_size, rounding=rounding)
+            q = kernels.quantize_reordered(
+                full, nodes, local, bits, block_size, rounding=rounding, scale_dtype=scale_dtype
+            )
         else:
             rows = full.reshape(nodes, local, s).swapaxes(0, 1) + r_local
-            q = kernels.quantize(rows, bits, block_size, rounding=rounding)
+            q = kernels.quantize(rows, bits, block_size, rounding=rounding, scale_dtype=scale_dtype)
             r_local = rows - kernels.dequantize(q, bits, s)
-        arrived = _all_to_all(q, LOCAL)
+        arrived = _all_to_all(q, LOCAL, scale_dtype)
         if nodes == 1:
             return _mean(_dequantize_sum(arrived, bits, s)[0], mean), _pack_residual(
                 residual, r_local, r_node
             )
-        q, r_node = kernels.dequantize_sum_quantize(arrived, bits, s, r_node, rounding=rounding)
+        q, r_node = kernels.dequantize_sum_quantize(
+            arrived, bits, s, r_node, rounding=rounding, scale_dtype=scale_dtype
+        )
     elif blocks is not None:
         q = jax.tree.map(lambda a: _chunk_rows(a, nodes, 1)[:, 0], blocks)
     else:
         rows = full.reshape(nodes, s)
         if r_node is not None:
             rows = rows + r_node
-        q = kernels.quantize(rows, bits, block_size, rounding=rounding)
+        q = kernels.quantize(rows, bits, block_size, rounding=rounding, scale_dtype=scale_dtype)
         if r_node is not None:
             r_node = rows - kernels.dequantize(q, bits, s)
     if nodes > 1:
-        arrived = _all_to_all(q, NODE)
+        arrived = _all_to_all(q, NODE, scale_dtype)
         shard = _dequantize_sum(arrived, bits, s)
     else:  # a 1 x 1 mesh: nothing to reduce
         shard = kernels.dequantize(q, bits, s)[0]

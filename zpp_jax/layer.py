@@ -235,7 +235,12 @@ class ShardedLayer:
                     else _quantize_rows_by_tensor
                 )
                 flat = quantize(
-                    layout, grads, cfg.gradient_bits, cfg.grad_block, cfg.gradient_rounding
+                    layout,
+                    grads,
+                    cfg.gradient_bits,
+                    cfg.grad_block,
+                    cfg.gradient_rounding,
+                    cfg.gradient_scale_dtype,
                 )
             else:
                 flat = layout.flatten_rows(grads).reshape(-1)
@@ -246,13 +251,14 @@ class ShardedLayer:
                 residual,
                 mean=mean,
                 rounding=cfg.gradient_rounding,
+                scale_dtype=cfg.gradient_scale_dtype,
             )
         flat = layout.flatten_rows(grads).reshape(-1)
         return collectives.reduce_scatter(flat, cfg.comm_dtype, mean=mean), None
 
 
 def _quantize_flat_blocks(
-    layout: FlatLayout, tree: PyTree, bits: int, block: int, rounding: str
+    layout: FlatLayout, tree: PyTree, bits: int, block: int, rounding: str, scale_dtype: str
 ) -> quant.QuantizedBlocks:
     """``quantize(layout.flatten(tree), bits, block)`` bit for bit, computed
     tensor by tensor: codes (N*s/block, ...) and scales (N*s/block,). Needs
@@ -274,7 +280,9 @@ def _quantize_flat_blocks(
             continue
         count = -(-x.size // block)
         x = jnp.pad(x, (0, count * block - x.size))
-        q = kernels.quantize(x.reshape(count, block), bits, block, rounding=rounding)
+        q = kernels.quantize(
+            x.reshape(count, block), bits, block, rounding=rounding, scale_dtype=scale_dtype
+        )
         codes.append(q.codes.reshape(count, -1))
         scales.append(q.scales.reshape(count))
         end = offset + count * block
@@ -284,7 +292,7 @@ def _quantize_flat_blocks(
 
 
 def _quantize_rows_by_tensor(
-    layout: ParamLayout, tree: PyTree, bits: int, block: int, rounding: str
+    layout: ParamLayout, tree: PyTree, bits: int, block: int, rounding: str, scale_dtype: str
 ) -> quant.QuantizedBlocks:
     """``quantize(layout.flatten_rows(tree).reshape(-1), bits, block)`` bit
     for bit, tensor by tensor: each parameter's rows (N, its block size) are
@@ -304,7 +312,9 @@ def _quantize_rows_by_tensor(
             zero_blocks((off - end) // block)
         count = -(-k // block)
         x = jnp.pad(layout.device_rows(leaves[i], i), ((0, 0), (0, count * block - k)))
-        q = kernels.quantize(x.reshape(n, count, block), bits, block, rounding=rounding)
+        q = kernels.quantize(
+            x.reshape(n, count, block), bits, block, rounding=rounding, scale_dtype=scale_dtype
+        )
         codes.append(q.codes)
         scales.append(q.scales)
         end = off + count * block

@@ -8,8 +8,9 @@ and the bit-identical plain-JAX reference elsewhere. This module re-exports
 them under the names the engine uses.
 
 Wire format: a quantized tensor travels as two collectives, one of the codes
-(1 byte per element for int8, 1/2 for int4) and one of the fp32 scales (4
-bytes per block). `wire_bytes` counts both.
+(1 byte per element for int8, 1/2 for int4) and one of the scales (4 bytes
+per block in fp32; gradients' scales travel in bf16 by default, 2 bytes).
+`wire_bytes` counts both.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ __all__ = [
 ]
 
 
-def wire_bytes(n: int, bits: int, block_size: int) -> int:
-    """Bytes a quantized axis of `n` elements occupies on the wire (codes + fp32 scales)."""
+def wire_bytes(n: int, bits: int, block_size: int, scale_bytes: int = 4) -> int:
+    """Bytes a quantized axis of `n` elements occupies on the wire (codes +
+    scales of `scale_bytes` each: 4 for fp32, 2 for bf16)."""
     block = effective_block_size(n, block_size, bits)
     nb = num_blocks(n, block)
-    return nb * block * bits // 8 + 4 * nb
+    return nb * block * bits // 8 + scale_bytes * nb

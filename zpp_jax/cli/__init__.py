@@ -36,7 +36,12 @@ def _add_technique_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--block-size", type=int, help="elements per weight block (default 256)")
     g.add_argument(
-        "--gradient-block-size", type=int, help="elements per gradient block (default 64)"
+        "--gradient-block-size", type=int, help="elements per gradient block (default 32)"
+    )
+    g.add_argument(
+        "--gradient-scale-dtype",
+        choices=("bfloat16", "float32"),
+        help="dtype gradient scales travel in (default bfloat16)",
     )
     g.add_argument(
         "--gradient-rounding",
@@ -62,6 +67,7 @@ _TECHNIQUE_FLAGS = {
     "block_size": ("block_size", None),
     "gradient_block_size": ("gradient_block_size", None),
     "gradient_rounding": ("gradient_rounding", None),
+    "gradient_scale_dtype": ("gradient_scale_dtype", None),
 }
 
 
