@@ -5,6 +5,7 @@ a CNN with BatchNorm and dropout): the loop stays ``model.apply`` and
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -129,10 +130,55 @@ def test_bad_input_is_named(mesh24):
         zpp.shard_linen(module, variables, mesh24, policy=lambda path: False)
     with pytest.raises(ValueError, match="units overlap: block_0 contains block_0/Dense_0"):
         zpp.shard_linen(module, variables, mesh24, policy=[("block_0",), ("block_0", "Dense_0")])
-    with pytest.raises(ValueError, match="error feedback is not available for Linen"):
-        zpp.shard_linen(module, variables, mesh24, zpp.ZeroPPConfig(error_feedback=True))
+    model, ef = zpp.shard_linen(module, variables, mesh24, zpp.ZeroPPConfig(error_feedback=True))
+    without = {c: v for c, v in ef.items() if c != "zpp_residuals"}
+    x = FAMILIES["linen_vit"].batch(0)["inputs"]
+    with pytest.raises(ValueError, match="no error-feedback residual: pass the 'zpp_residuals'"):
+        model.apply(without, x, rngs={"dropout": jax.random.key(0)})
     with pytest.raises(ValueError, match="'params' collection"):
         zpp.shard_linen(module, {"batch_stats": {}}, mesh24)
     bad = {"params": {**variables["params"], "count": np.zeros((), np.int32)}}
     with pytest.raises(ValueError, match="count has dtype int32"):
         zpp.shard_linen(module, bad, mesh24)
+
+
+def test_error_feedback_residuals_carry_over(mesh24):
+    """With error feedback each unit has a residual in the "zpp_residuals"
+    collection; the loop differentiates the loss with respect to it too, and
+    that gradient is the next step's residuals (the optimizer never sees it)."""
+    family = FAMILIES["linen_cnn"]
+    module, variables = family.make(0)
+    config = zpp.ZeroPPConfig(error_feedback=True)
+    model, sharded = zpp.shard_linen(module, variables, mesh24, config)
+    params, residuals = sharded["params"], sharded["zpp_residuals"]
+    stats = {c: v for c, v in sharded.items() if c not in ("params", "zpp_residuals")}
+    assert len(jax.tree.leaves(residuals)) == len(model.units)
+    assert all(float(jnp.max(jnp.abs(r))) == 0 for r in jax.tree.leaves(residuals))
+    tx = optimizer()
+    opt_state = zoo.on_mesh(tx.init(params), mesh24)
+    stats = zoo.on_mesh(stats, mesh24)
+
+    @jax.jit
+    def step(params, residuals, stats, opt_state, batch, key):
+        def loss_fn(params, residuals):
+            variables = {"params": params, "zpp_residuals": residuals, **stats}
+            out, new = model.apply(
+                variables, batch["inputs"], rngs={"dropout": key}, mutable=list(stats)
+            )
+            return family.loss(out, batch), new
+
+        (loss, new), (grads, residuals) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+            params, residuals
+        )
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), residuals, {**stats, **new}, opt_state, loss
+
+    losses = []
+    for i in range(10):
+        batch = jax.device_put(family.batch(i), zpp.batch_sharding(mesh24))
+        params, residuals, stats, opt_state, loss = step(
+            params, residuals, stats, opt_state, batch, jax.random.key(i)
+        )
+        losses.append(float(loss))
+    assert all(float(jnp.max(jnp.abs(r))) > 0 for r in jax.tree.leaves(residuals))
+    assert np.all(np.isfinite(losses)) and np.mean(losses[-3:]) < 0.9 * np.mean(losses[:3])

@@ -5,7 +5,9 @@ returns the model wrapped so that its chosen submodules (units) run through
 the engine, and the variables with every parameter split over (`node`,
 `local`) in its own shape. The training loop keeps its shape: call
 ``model.apply(variables, x, rngs=..., mutable=["batch_stats"])`` as before
-and take gradients with respect to ``variables["params"]``.
+and take gradients with respect to ``variables["params"]`` (with error
+feedback, also with respect to ``variables["zpp_residuals"]``: the next
+step's residuals).
 
 A unit is a submodule called as ``submodule(...)`` (its ``__call__``); its
 calls are intercepted (`flax.linen.intercept_methods`) and run as in
@@ -33,7 +35,7 @@ from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.partition import quant_float_dtypes
-from zpp_jax.unit import UnitInfo, check_units, place, run_unit, shard_dim
+from zpp_jax.unit import UnitInfo, check_units, place, residual_size, run_unit, shard_dim
 
 _ON_DEVICE = contextvars.ContextVar("zpp_linen_on_device", default=False)
 _LAYER_NAME = re.compile(r"^(.*)_(\d+)$")
@@ -80,6 +82,26 @@ def default_linen_units(params: dict) -> list[tuple[str, ...]]:
     return units
 
 
+RESIDUALS = "zpp_residuals"
+
+
+def _zero_residuals(params: dict, infos: dict[tuple, UnitInfo], mesh: Mesh) -> dict:
+    """One zero error-feedback residual per unit, split over the devices."""
+    out = {}
+    for unit, info in infos.items():
+        split = [
+            (np.shape(params[unit + key]), jnp.result_type(params[unit + key]), dim)
+            for key, dim, _ in info.dims
+            if dim is not None
+        ]
+        if not split:
+            continue
+        size = residual_size(info.config, split, mesh_shape(mesh))
+        zeros = np.zeros((size,), info.config.residual_dtype)
+        out[unit + ("residual",)] = place(zeros, mesh, 0)
+    return unflatten_dict(out)
+
+
 class ShardedLinen:
     """A Linen module whose units run through the engine. ``apply`` is the
     module's own; everything else is delegated to the module."""
@@ -108,7 +130,18 @@ class ShardedLinen:
 def _call_unit(module: nn.Module, info: UnitInfo, args, kwargs):
     variables = module.variables
     params = flatten_dict(dict(variables.get("params", {})))
-    others = {c: flatten_dict(dict(t)) for c, t in variables.items() if c != "params"}
+    others = {
+        c: flatten_dict(dict(t)) for c, t in variables.items() if c not in ("params", RESIDUALS)
+    }
+    residual = None
+    if info.config.error_feedback:
+        residual = dict(variables.get(RESIDUALS, {})).get("residual")
+        if residual is None:
+            raise UsageError(
+                f"unit {'/'.join(module.path)} has no error-feedback residual: pass the "
+                f"{RESIDUALS!r} collection that shard_linen returned to apply, and take its "
+                "gradient (the next step's residuals)"
+            )
     mutable = [c for c in others if module.is_mutable_collection(c)]
     rng_names = sorted(module.scope.rngs) if module.scope.rngs else []
     rng_keys = [module.make_rng(r) for r in rng_names]
@@ -144,7 +177,7 @@ def _call_unit(module: nn.Module, info: UnitInfo, args, kwargs):
         "/".join(module.path),
         [(p, v, *stored[p]) for p, v in params.items()],
         [(v, False) for _, _, v in other_items] + [(k, True) for k in rng_keys],
-        None,
+        residual,
         args,
         kwargs,
         run,
@@ -203,17 +236,18 @@ def shard_linen(
       compute_dtype: cast each unit's gathered weights (mixed precision);
         default None keeps the model's own dtypes.
 
+    With ``config.error_feedback`` the variables also hold a ``"zpp_residuals"``
+    collection (`RESIDUALS`): one zero residual per unit, split over the
+    devices ((1 + 1/local) x the unit's size per device). Pass it to `apply`
+    and differentiate the loss with respect to it as well: its "gradient" is
+    the next step's residuals (not a derivative; never give it to the
+    optimizer).
+
     Raises:
       UsageError: no ``"params"``, a policy that selects no unit or
-        overlapping units, a non-floating parameter, error feedback (Linen
-        runs without it: use `zpp.shard` with NNX for it).
+        overlapping units, a non-floating parameter.
     """
     config = ZeroPPConfig() if config is None else config
-    if config.error_feedback:
-        raise UsageError(
-            "error feedback is not available for Linen models (its residuals need a "
-            "gradient of their own); turn it off, or use zpp.shard with an NNX model"
-        )
     if "params" not in variables:
         raise UsageError("shard_linen needs the model's variables with a 'params' collection")
     nodes, local = mesh_shape(mesh)
@@ -255,6 +289,8 @@ def shard_linen(
     replicated = NamedSharding(mesh, P())
     out = {c: jax.device_put(dict(v), replicated) for c, v in variables.items() if c != "params"}
     out["params"] = unflatten_dict(sharded)
+    if config.error_feedback:
+        out[RESIDUALS] = _zero_residuals(params, infos, mesh)
     return ShardedLinen(module, infos), out
 
 
