@@ -42,7 +42,7 @@ def train(family, model, steps, mesh=None):
     `nnx.jit`. Returns the losses and the model."""
     opt = nnx.Optimizer(model, optimizer(), wrt=nnx.Param)
     if mesh is not None:
-        nnx.update(opt, zoo.on_mesh(nnx.state(opt), mesh))
+        zpp.on_mesh(opt, mesh)
 
     @nnx.jit
     def step(model, opt, batch):
@@ -374,3 +374,27 @@ def test_bad_input_is_named(mesh24):
     x = jax.device_put(np.zeros((12, 32), np.float32), NamedSharding(mesh24, P()))
     with pytest.raises(ValueError, match="batch of 12 rows.*multiple of 8"):
         nnx.jit(lambda m, x: m(x))(model, x)
+
+
+@pytest.mark.parametrize("placed", [False, True])
+def test_on_mesh_makes_the_standard_loop_compile_once(mesh24, placed):
+    """`nnx.Optimizer` makes its step counters on one device; they come back
+    from the first step replicated, so `nnx.jit` traces the step again.
+    `zpp.on_mesh(optimizer, mesh)` puts them on the mesh first: one trace."""
+    family = FAMILIES["mlp_5_widths"]
+    model = zpp.shard(family.make(0), mesh24, EXACT)
+    opt = nnx.Optimizer(model, optimizer(), wrt=nnx.Param)
+    if placed:
+        assert zpp.on_mesh(opt, mesh24) is opt
+    traces = []
+
+    @nnx.jit
+    def step(model, opt, batch):
+        traces.append(1)
+        loss, grads = zpp.value_and_grad(lambda m: family.loss(m(*_args(batch)), batch))(model)
+        opt.update(model, grads)
+        return loss
+
+    for i in range(3):
+        step(model, opt, jax.device_put(family.batch(i), zpp.batch_sharding(mesh24)))
+    assert len(traces) == (1 if placed else 2)

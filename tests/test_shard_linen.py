@@ -28,7 +28,7 @@ def train(family, module, variables, steps, mesh=None, apply=None):
     stats = {k: v for k, v in variables.items() if k != "params"}
     opt_state = tx.init(params)
     if mesh is not None:
-        stats, opt_state = zoo.on_mesh((stats, opt_state), mesh)
+        stats, opt_state = zpp.on_mesh((stats, opt_state), mesh)
     mutable = list(stats)
 
     @jax.jit
@@ -155,8 +155,8 @@ def test_error_feedback_residuals_carry_over(mesh24):
     assert len(jax.tree.leaves(residuals)) == len(model.units)
     assert all(float(jnp.max(jnp.abs(r))) == 0 for r in jax.tree.leaves(residuals))
     tx = optimizer()
-    opt_state = zoo.on_mesh(tx.init(params), mesh24)
-    stats = zoo.on_mesh(stats, mesh24)
+    opt_state = zpp.on_mesh(tx.init(params), mesh24)
+    stats = zpp.on_mesh(stats, mesh24)
 
     @jax.jit
     def step(params, residuals, stats, opt_state, batch, key):

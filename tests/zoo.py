@@ -314,18 +314,3 @@ def linen_families() -> list[Family]:
         Family("linen_vit", _linen(ViT()), _image_batch, _classify),
         Family("linen_cnn", _linen(CNN()), _image_batch, _classify),
     ]
-
-
-def on_mesh(tree, mesh):
-    """`tree` with its single-device arrays (an optimizer's step count, say)
-    replicated over `mesh`. After one step they come back replicated, and
-    `jax.jit` would otherwise trace and compile the step a second time."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    def place(a):
-        if isinstance(a, jax.Array) and not isinstance(a.sharding, NamedSharding):
-            return jax.device_put(a, NamedSharding(mesh, P()))
-        return a
-
-    return jax.tree.map(place, tree)

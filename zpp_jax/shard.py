@@ -411,3 +411,25 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batches for a `shard`ed model: the leading axis over every device."""
     mesh_shape(mesh)
     return NamedSharding(mesh, P(AXES))
+
+
+def on_mesh(tree, mesh: Mesh):
+    """`tree` with its arrays that live on one device (an optimizer's step
+    counters, which `nnx.Optimizer` and `optax` create on the default
+    device) replicated over `mesh`; arrays already on the mesh are kept.
+    A graph node (an `nnx.Optimizer`, a module) is updated in place and
+    returned. Why: after one step those counters come back replicated, and
+    `jax.jit` / `nnx.jit` would trace and compile the step a second time.
+    Costs a copy of each such (scalar) array."""
+    mesh_shape(mesh)
+    replicated = NamedSharding(mesh, P())
+
+    def place(a):
+        if isinstance(a, jax.Array) and not isinstance(a.sharding, NamedSharding):
+            return jax.device_put(a, replicated)
+        return a
+
+    if isinstance(tree, nnx.Pytree):
+        nnx.update(tree, jax.tree.map(place, nnx.state(tree)))
+        return tree
+    return jax.tree.map(place, tree)
