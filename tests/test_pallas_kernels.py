@@ -265,6 +265,21 @@ OPS = {
         lambda: (jnp.ones((8 * 512,)),),
         QUANTIZE,
     ),
+    # the gradient defaults: stochastic rounding, scales exact in bf16
+    "quantize_reordered stochastic": (
+        lambda x: pk.quantize_reordered(
+            x, 2, 4, 4, 32, rounding="stochastic", scale_dtype="bfloat16"
+        ),
+        lambda: (jnp.ones((8 * 512,)),),
+        QUANTIZE,
+    ),
+    "dequantize_sum_quantize stochastic": (
+        lambda q, r: pk.dequantize_sum_quantize(
+            q, 4, 512, r, rounding="stochastic", scale_dtype="bfloat16"
+        ),
+        lambda: (ref_quantize(jnp.ones((4, 2, 512)), 4, 32), jnp.zeros((2, 512))),
+        DSQ,
+    ),
 }
 
 
