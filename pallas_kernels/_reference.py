@@ -6,10 +6,10 @@ match it bit for bit:
 * The input is cast to fp32 and cut along its last axis into blocks of `block`
   elements; the last block is padded with zeros (padding never changes a
   block's absmax, and it is dropped again by `dequantize`).
-* Per block: ``absmax = max(|x|)``, ``scale = round_up_16(absmax / qmax)``
+* Per block: ``absmax = max(|x|)``, ``scale = round_up_scale(absmax / qmax)``
   in fp32 with ``qmax = 2**(bits-1) - 1`` (127 for int8, 7 for int4:
   symmetric, no zero point, the code -2**(bits-1) is never produced).
-  ``round_up_16`` rounds the fp32 scale up to 16 significant bits (clears the
+  ``round_up_scale`` rounds the fp32 scale up to 16 significant bits (clears the
   low 8 mantissa bits, rounding away from zero); with
   ``scale_dtype="bfloat16"`` to 8 (the low 16 bits: the scale is then exact
   in bf16 and may travel in 2 bytes). Then every ``code * scale``
@@ -145,12 +145,6 @@ def block_of(q: QuantizedBlocks, bits: int) -> int:
 
 
 # -- the numerics ----------------------------------------------------------------
-
-
-def round_up_16(scale: jax.Array) -> jax.Array:
-    """Round non-negative fp32 values up to 16 significant bits (Inf and NaN
-    stay as they are; IEEE ordering makes the carry into the exponent right)."""
-    return round_up_scale(scale, "float32")
 
 
 def round_up_scale(scale: jax.Array, scale_dtype: str) -> jax.Array:

@@ -162,11 +162,13 @@ class ShardedLayer:
         big = [(o, k) for o, k in segments if k >= cfg.block_size]
         small = [(o, k) for o, k in segments if k < cfg.block_size]
         width = max((k for _, k in small), default=0)
-        return big, small, width + width % 2
+        return big, small, quant.effective_block_size(width, cfg.block_size, cfg.weight_bits)
 
     def _code_bytes(self, k: int) -> int:
-        """Bytes of codes of one block of `k` elements (int4: two per byte)."""
-        return (k + k % 2) // 2 if self.config.weight_bits == 4 else k
+        """Bytes of codes of a segment of `k` elements, shorter than a block:
+        one block of its own length (even for int4, two codes per byte)."""
+        bits = self.config.weight_bits
+        return quant.effective_block_size(k, self.config.block_size, bits) * bits // 8
 
     @property
     def _wire_dtype(self):

@@ -49,10 +49,10 @@ from zpp_jax.unit import (
     UnitInfo,
     check_units,
     place,
-    residual_size,
     run_unit,
     shard_dim,
     with_values,
+    zero_residual,
 )
 
 Path = tuple
@@ -250,7 +250,7 @@ def shard(
     units = _select(model, policy)
     unit_paths = set(units)
     for path in units:
-        _make_unit(_get(model, path), mesh, config, compute_dtype, n, (nodes, local))
+        _make_unit(_get(model, path), mesh, config, compute_dtype, n)
     # Parameters outside every unit: stored split the same way, gathered by
     # XLA (unquantized) where the model's own code uses them.
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -262,7 +262,7 @@ def shard(
     return model
 
 
-def _make_unit(module, mesh, config, compute_dtype, n, shape):
+def _make_unit(module, mesh, config, compute_dtype, n):
     stacked = _looks_stacked(module)
     params = nnx.to_flat_state(nnx.state(module, nnx.Param))
     dims = []
@@ -279,11 +279,8 @@ def _make_unit(module, mesh, config, compute_dtype, n, shape):
             if dim is not None and dim >= lead
         ]
         if call:
-            size = residual_size(config, call, shape)
             lead_shape = np.shape(params[0][1].get_value())[:1] if stacked else ()
-            module._zpp_residual = FeedbackResidual(
-                place(jnp.zeros(lead_shape + (size,), config.residual_dtype), mesh, len(lead_shape))
-            )
+            module._zpp_residual = FeedbackResidual(zero_residual(config, call, mesh, lead_shape))
     module._zpp = UnitInfo(
         mesh, config, None if compute_dtype is None else jnp.dtype(compute_dtype), tuple(dims)
     )

@@ -35,7 +35,7 @@ from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.partition import quant_float_dtypes
-from zpp_jax.unit import UnitInfo, check_units, place, residual_size, run_unit, shard_dim
+from zpp_jax.unit import UnitInfo, check_units, place, run_unit, shard_dim, zero_residual
 
 _ON_DEVICE = contextvars.ContextVar("zpp_linen_on_device", default=False)
 _LAYER_NAME = re.compile(r"^(.*)_(\d+)$")
@@ -94,11 +94,8 @@ def _zero_residuals(params: dict, infos: dict[tuple, UnitInfo], mesh: Mesh) -> d
             for key, dim, _ in info.dims
             if dim is not None
         ]
-        if not split:
-            continue
-        size = residual_size(info.config, split, mesh_shape(mesh))
-        zeros = np.zeros((size,), info.config.residual_dtype)
-        out[unit + ("residual",)] = place(zeros, mesh, 0)
+        if split:
+            out[unit + ("residual",)] = zero_residual(info.config, split, mesh)
     return unflatten_dict(out)
 
 

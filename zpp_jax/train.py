@@ -25,12 +25,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import mesh_shape
-from zpp_jax.shard import Policy, batch_sharding, shard, value_and_grad
+from zpp_jax.shard import Policy, batch_sharding, on_mesh, shard, value_and_grad
 
 LossFn = Callable[[nnx.Module, dict], jax.Array]
 
@@ -84,15 +83,7 @@ class Trainer:
         )
         # Arrays the optimizer made on one device (step counters, schedule
         # state) go onto the mesh, replicated, so the state lives on it whole.
-        replicated = NamedSharding(mesh, P())
-        self._state = jax.tree.map(
-            lambda a: (
-                a
-                if isinstance(getattr(a, "sharding", None), NamedSharding)
-                else jax.device_put(a, replicated)
-            ),
-            state,
-        )
+        self._state = on_mesh(state, mesh)
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
         self.eval_step = jax.jit(self._eval_step)
 
@@ -150,9 +141,9 @@ class Trainer:
 
         # A cond, not a select per leaf: the update then writes the donated
         # buffers in place, instead of XLA copying every optimizer moment to
-        # keep the old value alive for the select.
-        # A skipped step returns the state it was given, error-feedback
-        # residuals included (the forward and backward pass updated them).
+        # keep the old value alive for the select. A skipped step returns the
+        # state it was given, error-feedback residuals included (the forward
+        # and backward pass updated them).
         new = jax.lax.cond(ok, update, lambda _: state, nnx.state((model, optimizer)))
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
         return new, metrics

@@ -102,6 +102,16 @@ def residual_size(config: ZeroPPConfig, params: Sequence[tuple], mesh_sizes) -> 
     return nodes * local * collectives.residual_size(layout.shard_size, nodes, local)
 
 
+def zero_residual(
+    config: ZeroPPConfig, params: Sequence[tuple], mesh: Mesh, lead_shape: tuple = ()
+) -> jax.Array:
+    """A unit's zero error-feedback residual: `residual_size` elements of
+    `config.residual_dtype`, split over every device (after `lead_shape`,
+    a stack's layer axis)."""
+    size = residual_size(config, params, mesh_shape(mesh))
+    return place(jnp.zeros(lead_shape + (size,), config.residual_dtype), mesh, len(lead_shape))
+
+
 Run = Callable[[dict, list, tuple, dict], tuple[Any, list]]
 
 
