@@ -3,6 +3,7 @@ import dataclasses
 import pytest
 
 from zpp_jax import ZeroPPConfig
+from zpp_jax.models import GPTConfig, LlamaConfig
 
 
 def test_defaults_are_full_zeropp():
@@ -75,3 +76,17 @@ def test_alignment_is_the_lcm_of_active_blocks():
     assert ZeroPPConfig(block_size=96, gradient_block_size=64).alignment == 192
     assert ZeroPPConfig(quantize_weights=False).alignment == 32
     assert ZeroPPConfig.zero3().alignment == 1
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: LlamaConfig(d_ff=0), "LlamaConfig.d_ff must be a positive int, got 0"),
+        (lambda: LlamaConfig(n_kv_heads=3), "multiple of n_kv_heads=3"),
+        (lambda: LlamaConfig(dtype="int8"), "dtype='int8': use float32"),
+        (lambda: GPTConfig(n_layers=True), "GPTConfig.n_layers must be a positive int, got True"),
+    ],
+)
+def test_model_configs_name_bad_sizes(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()

@@ -9,3 +9,11 @@ class UsageError(ValueError):
     with status 2, while any other exception is an internal error and keeps
     its traceback.
     """
+
+
+def check_positive_ints(obj, names, prefix: str = "") -> None:
+    """Raise UsageError unless each attribute `names` of `obj` is an int > 0."""
+    for name in names:
+        v = getattr(obj, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise UsageError(f"{prefix}{name} must be a positive int, got {v!r}")

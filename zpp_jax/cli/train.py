@@ -31,7 +31,7 @@ from flax import nnx
 from zpp_jax.checkpoint import Checkpointer
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.data import ByteDataset, host_to_global, load_text, stdlib_corpus
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import UsageError, check_positive_ints
 from zpp_jax.mesh import make_mesh
 from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
 from zpp_jax.step_report import summarize
@@ -70,10 +70,9 @@ class RunConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "local", "batch", "grad_accum", "steps", "eval_batches"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise UsageError(f"{name} must be a positive int, got {v!r}")
+        check_positive_ints(
+            self, ("nodes", "local", "batch", "grad_accum", "steps", "eval_batches")
+        )
         if self.ckpt_every < 0 or self.eval_every < 0:
             raise UsageError("ckpt_every and eval_every must be >= 0 (0: never)")
         if (self.ckpt_every or self.resume) and not self.ckpt_dir:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import UsageError, check_positive_ints
 
 _PRESETS = {
     "tiny": dict(d_model=64, n_layers=2, n_heads=4, d_ff=256, seq_len=64),
@@ -37,10 +37,9 @@ class GPTConfig:
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise UsageError(f"GPTConfig.{name} must be a positive int, got {v!r}")
+        check_positive_ints(
+            self, ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"), "GPTConfig."
+        )
         if self.d_model % self.n_heads:
             raise UsageError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import UsageError, check_positive_ints
 
 _PRESETS = {
     "tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, seq_len=64),
@@ -39,10 +39,10 @@ class LlamaConfig:
     scan: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise UsageError(f"LlamaConfig.{name} must be a positive int, got {v!r}")
+        sizes = ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
+        check_positive_ints(self, sizes, "LlamaConfig.")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise UsageError(f"dtype={self.dtype!r}: use float32, bfloat16 or float16")
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise UsageError(
                 f"d_model={self.d_model} must split into {self.n_heads} heads of even size"
