@@ -86,6 +86,8 @@ def test_module_entry_point():
         ),
         (["train", "--model", "huge", "--steps", "1", "--quiet"], "unknown model size 'huge'"),
         (["train", "--resume", "--steps", "1", "--quiet"], "need --ckpt-dir"),
+        (["train", "--clip", "-1", "--quiet"], "--clip must be a positive finite gradient norm"),
+        (["train", "--clip", "nan", "--quiet"], "--clip must be a positive finite gradient norm"),
         (["plan", "--layers", "0", "--hidden", "8", "--seq", "8", "--stages", "1"], "--layers"),
     ],
 )

@@ -81,6 +81,31 @@ def test_zero3_step_with_clipping_equals_unsharded(mesh):
     assert Trainer.steps_done(state) == 1
 
 
+def test_max_grad_norm_clips_as_optax_does(mesh24):
+    """`max_grad_norm` (the norm from one all-reduce) gives the step of
+    ``optax.clip_by_global_norm`` first in the chain; a norm below it
+    leaves the gradients as they are."""
+    t1, s1, m1 = _exact_step_cached(mesh24)
+    batch = jax.device_put(_batch(b=32), t1.batch_sharding())
+    for bound, clips in ((CLIP, True), (1e9, False)):
+        trainer = Trainer(GPT(CFG, nnx.Rngs(0)), optax.sgd(1.0), mesh24, EXACT, max_grad_norm=bound)
+        state, m = trainer.train_step(trainer.init(), batch)
+        assert abs(float(m["grad_norm"]) - float(m1["grad_norm"])) <= 1e-6 * float(m1["grad_norm"])
+        ref_tx = optax.chain(optax.clip_by_global_norm(bound), optax.sgd(1.0))
+        ref = Trainer(GPT(CFG, nnx.Rngs(0)), ref_tx, mesh24, EXACT)
+        ref_state, _ = ref.train_step(ref.init(), batch)
+        got, want = _params(trainer, state), _params(ref, ref_state)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert _max_rel(a, b) <= 1e-6
+        assert clips == (float(m["grad_norm"]) > bound)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "1"])
+def test_max_grad_norm_must_be_positive_and_finite(mesh24, bad):
+    with pytest.raises(ValueError, match="max_grad_norm must be a positive finite number"):
+        Trainer(GPT(CFG, nnx.Rngs(0)), optax.sgd(0.1), mesh24, max_grad_norm=bad)
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_grad_accumulation_matches_one_big_batch(mesh24, k):
     t1, s1, m1 = _exact_step_cached(mesh24)

@@ -298,32 +298,57 @@ def _quantize_rows_by_tensor(
 ) -> quant.QuantizedBlocks:
     """``quantize(layout.flatten_rows(tree).reshape(-1), bits, block)`` bit
     for bit, tensor by tensor: each parameter's rows (N, its block size) are
-    quantized on their own and the blocks interleaved per device. Needs the
-    offsets and the shard size to be multiples of `block`."""
+    quantized on their own and the blocks interleaved per device. Rows of at
+    most `_SHORT_ROW` elements (biases, norm scales) are quantized together,
+    in one call, as the pieces of one array: copying them costs less than a
+    call each. Needs the offsets and the shard size to be multiples of
+    `block`."""
     n, code_dtype = layout.num_shards, jnp.uint8 if bits == 4 else jnp.int8
+    leaves = layout.treedef.flatten_up_to(tree)
+
+    def blocks_of(i):
+        k = layout.slices[i][1]
+        count = -(-k // block)
+        x = jnp.pad(layout.device_rows(leaves[i], i), ((0, 0), (0, count * block - k)))
+        return x.reshape(n, count, block)
+
+    def quantize(x):
+        q = kernels.quantize(x, bits, block, rounding=rounding, scale_dtype=scale_dtype)
+        return q.codes, q.scales
+
+    short = [i for i in layout.order if layout.slices[i][1] <= _SHORT_ROW]
+    pieces = {i: quantize(blocks_of(i)) for i in layout.order if i not in short}
+    if short:
+        parts = [blocks_of(i) for i in short]
+        codes, scales = quantize(jnp.concatenate(parts, axis=1))
+        start = 0
+        for i, part in zip(short, parts, strict=True):
+            count = part.shape[1]
+            pieces[i] = codes[:, start : start + count], scales[:, start : start + count]
+            start += count
+
     codes, scales, end = [], [], 0
 
     def zero_blocks(count):
         codes.append(jnp.zeros((n, count, block * bits // 8), code_dtype))
         scales.append(jnp.zeros((n, count), jnp.float32))
 
-    leaves = layout.treedef.flatten_up_to(tree)
     for i in layout.order:
         off, k = layout.slices[i]
         if off > end:
             zero_blocks((off - end) // block)
-        count = -(-k // block)
-        x = jnp.pad(layout.device_rows(leaves[i], i), ((0, 0), (0, count * block - k)))
-        q = kernels.quantize(
-            x.reshape(n, count, block), bits, block, rounding=rounding, scale_dtype=scale_dtype
-        )
-        codes.append(q.codes)
-        scales.append(q.scales)
-        end = off + count * block
+        codes.append(pieces[i][0])
+        scales.append(pieces[i][1])
+        end = off + -(-k // block) * block
     if layout.shard_size > end:
         zero_blocks((layout.shard_size - end) // block)
     c, s = jnp.concatenate(codes, axis=1), jnp.concatenate(scales, axis=1)
     return quant.QuantizedBlocks(c.reshape(-1, c.shape[-1]), s.reshape(-1))
+
+
+# Elements per device below which a parameter's gradient rows are quantized
+# together with the other short ones (1 KiB of fp32 per device and tensor).
+_SHORT_ROW = 256
 
 
 def _tie(saved, g):

@@ -5,8 +5,9 @@ puts an `nnx.Optimizer` on its parameters, and compiles
 
 * ``train_step(state, batch) -> (state, metrics)``: the loss and gradients
   of ``loss_fn(model, batch)``, averaged over `grad_accum` micro-batches,
-  then the Optax update. A step whose loss or gradients hold NaN or Inf
-  leaves the state as it was and reports ``skipped = 1``;
+  clipped to `max_grad_norm` if given, then the Optax update. A step whose
+  loss or gradients hold NaN or Inf leaves the state as it was and reports
+  ``skipped = 1``;
 * ``eval_step(state, batch) -> loss``, with the model in eval mode.
 
 The state is functional: ``trainer.init()`` returns the `nnx.State` of the
@@ -22,13 +23,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
-from zpp_jax.mesh import mesh_shape
+from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.shard import Policy, batch_sharding, on_mesh, shard, value_and_grad
 
 LossFn = Callable[[nnx.Module, dict], jax.Array]
@@ -57,6 +60,13 @@ class Trainer:
     `model` is sharded in place (see `zpp.shard`); after `init` the state is
     what counts: the step donates its arrays, and `model(state)` gives a
     module on any state.
+
+    `max_grad_norm` clips the gradients by their global norm before the
+    optimizer sees them, as ``optax.clip_by_global_norm(max_grad_norm)``
+    first in the chain would, from the norm the step computes anyway (for
+    the skip check and the ``grad_norm`` metric) in one scalar all-reduce.
+    Clipping inside `optimizer` gives the same result and computes the norm
+    again, reducing one scalar per parameter array across the devices.
     """
 
     def __init__(
@@ -70,9 +80,20 @@ class Trainer:
         policy: Policy = None,
         compute_dtype=None,
         grad_accum: int = 1,
+        max_grad_norm: float | None = None,
     ) -> None:
         if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum <= 0:
             raise UsageError(f"grad_accum must be a positive int, got {grad_accum!r}")
+        if max_grad_norm is not None and not (
+            isinstance(max_grad_norm, (int, float))
+            and not isinstance(max_grad_norm, bool)
+            and 0 < max_grad_norm < float("inf")
+        ):
+            raise UsageError(
+                f"max_grad_norm must be a positive finite number or None (no clipping), "
+                f"got {max_grad_norm!r}"
+            )
+        self.max_grad_norm = max_grad_norm
         nodes, local = mesh_shape(mesh)
         self.mesh, self.num_devices = mesh, nodes * local
         self.config = ZeroPPConfig() if config is None else config
@@ -81,6 +102,7 @@ class Trainer:
         self._graphdef, state = nnx.split(
             (sharded, nnx.Optimizer(sharded, optimizer, wrt=nnx.Param))
         )
+        self._param_specs = jax.tree.map(lambda a: a.sharding.spec, nnx.state(sharded, nnx.Param))
         # Arrays the optimizer made on one device (step counters, schedule
         # state) go onto the mesh, replicated, so the state lives on it whole.
         self._state = on_mesh(state, mesh)
@@ -131,12 +153,15 @@ class Trainer:
             loss, grads = value_and_grad(self.loss_fn)(model, batch)
         else:
             loss, grads = self._accumulate(model, batch)
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = jnp.sqrt(_squared_norm(grads, self._param_specs, self.mesh))
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         def update(state):
             model, optimizer = nnx.merge(self._graphdef, state, copy=True)
-            optimizer.update(model, grads)
+            clipped = grads
+            if self.max_grad_norm is not None:
+                clipped = _clip(grads, grad_norm, self.max_grad_norm)
+            optimizer.update(model, clipped)
             return nnx.state((model, optimizer))
 
         # A cond, not a select per leaf: the update then writes the donated
@@ -183,3 +208,36 @@ class Trainer:
 
 
 PyTree = Any
+
+
+def _squared_norm(tree: PyTree, specs: PyTree, mesh: Mesh) -> jax.Array:
+    """The squared global 2-norm of `tree`, whose arrays are laid out on
+    `mesh` as `specs` says, in fp32. Each device sums the squares of its
+    blocks, then one scalar all-reduce adds the devices' sums (where the
+    partitioner would reduce one scalar per array)."""
+    leaves, spec_leaves = (
+        jax.tree.leaves(tree),
+        jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
+    )
+
+    def copies(spec: P) -> int:
+        """Devices holding each element: the sizes of the axes it is not split over."""
+        split = {a for entry in spec if entry is not None for a in np.atleast_1d(entry)}
+        return int(np.prod([size for a, size in mesh.shape.items() if a not in split]))
+
+    def local(*blocks):
+        total = jnp.zeros((), jnp.float32)
+        for block, spec in zip(blocks, spec_leaves, strict=True):
+            total += jnp.sum(jnp.square(block.astype(jnp.float32))) / copies(spec)
+        return jax.lax.psum(total, AXES)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec_leaves), out_specs=P())(*leaves)
+
+
+def _clip(grads: PyTree, norm: jax.Array, max_norm: float) -> PyTree:
+    """`grads` scaled to global norm `max_norm` when `norm` exceeds it: what
+    ``optax.clip_by_global_norm`` computes, to rounding (one multiply by a
+    scalar, which XLA fuses into the optimizer's update of each leaf, where
+    optax's per-element divide is a pass of its own)."""
+    factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+    return jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import time
 from collections.abc import Iterator
@@ -79,6 +80,8 @@ class RunConfig:
             raise UsageError("checkpointing and --resume need --ckpt-dir")
         if self.arch not in ARCHS:
             raise UsageError(f"unknown architecture {self.arch!r}; choose one of {ARCHS}")
+        if not 0 < self.clip < math.inf:
+            raise UsageError(f"--clip must be a positive finite gradient norm, got {self.clip}")
 
 
 # -- build ----------------------------------------------------------------------
@@ -99,14 +102,12 @@ def make_model(cfg: RunConfig) -> nnx.Module:
 
 
 def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-    """AdamW with linear warmup and cosine decay, after global-norm clipping."""
+    """AdamW with linear warmup and cosine decay (the `Trainer` clips the
+    gradients to norm `cfg.clip` before)."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1), cfg.lr * 0.1
     )
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.clip),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay),
-    )
+    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
 
 
 def make_trainer(cfg: RunConfig) -> Trainer:
@@ -117,6 +118,7 @@ def make_trainer(cfg: RunConfig) -> Trainer:
         make_mesh(cfg.nodes, cfg.local),
         cfg.zero,
         grad_accum=cfg.grad_accum,
+        max_grad_norm=cfg.clip,
     )
 
 
