@@ -41,3 +41,10 @@ def test_held_out_split_and_errors(tmp_path):
     (tmp_path / "e.txt").write_bytes(b"")
     with pytest.raises(ValueError, match="empty"):
         load_text(tmp_path / "e.txt")
+
+
+def test_token_ids_outside_the_vocabulary_are_refused():
+    tokens = np.arange(400, dtype=np.uint16) % 300  # ids up to 299
+    with pytest.raises(ValueError, match="token id 256 at position 256 is outside the model's"):
+        ByteDataset(tokens, seq_len=8, vocab_size=256)
+    ByteDataset(tokens, seq_len=8, vocab_size=300)  # fits

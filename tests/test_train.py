@@ -219,3 +219,34 @@ def test_resume_is_bitwise(tmp_path):
     assert ma["data_position"] == mb["data_position"] == 4 and Trainer.steps_done(sa) == 4
     for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_step_whose_update_is_not_finite_is_skipped(mesh24):
+    """Finite loss and gradients but a NaN learning rate: the update would
+    make every parameter NaN, so the step is skipped and the state kept."""
+    trainer = Trainer(GPT(CFG, nnx.Rngs(0)), optax.sgd(float("nan")), mesh24, EXACT)
+    before = jax.tree.map(np.asarray, trainer.init())
+    state, metrics = trainer.train_step(
+        trainer.init(), jax.device_put(_batch(b=32), trainer.batch_sharding())
+    )
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+    assert int(metrics["skipped"]) == 1
+    after = jax.tree.map(np.asarray, state)
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_metrics_lines_are_strict_json():
+    import json
+
+    from zpp_jax.cli.train import json_record
+
+    line = json_record({"step": 3, "loss": float("nan"), "grad_norm": float("inf"), "skipped": 1})
+    assert json.loads(line) == {
+        "step": 3,
+        "loss": None,
+        "grad_norm": None,
+        "skipped": 1,
+        "nonfinite": ["loss", "grad_norm"],
+    }
+    assert json.loads(json_record({"step": 1, "loss": 2.5})) == {"step": 1, "loss": 2.5}

@@ -82,6 +82,12 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
+    def read_meta(self, step: int) -> dict:
+        """The JSON metadata of checkpoint `step` (no arrays are read)."""
+        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+            "meta"
+        ]
+
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
         """Checkpoint `step` (default: the latest) restored into the structure
         of `target` (a pytree of arrays or `jax.ShapeDtypeStruct`s with
@@ -97,9 +103,7 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise UsageError(f"no checkpoint found in {self.directory}")
-        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-            "meta"
-        ]
+        meta = self.read_meta(step)
         saved = self._manager.item_metadata(step)["state"]
         wanted = _flat(target)
         missing = sorted(set(wanted) - set(saved))

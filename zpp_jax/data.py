@@ -45,15 +45,28 @@ def load_text(path: str | pathlib.Path) -> np.ndarray:
 
 class ByteDataset:
     """Random windows of `seq_len + 1` bytes from a train or validation split.
+    With `vocab_size`, every token id is checked to be below it.
 
     The last `val_fraction` of the corpus is held out. Batch `index` of a split
     is a pure function of (seed, split, index): resuming at a data position
     reproduces the exact batches an uninterrupted run would have seen.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, val_fraction: float = 0.05):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        val_fraction: float = 0.05,
+        vocab_size: int | None = None,
+    ):
         if not 0 < val_fraction < 1:
             raise UsageError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        if vocab_size is not None and tokens.size and int(tokens.max()) >= vocab_size:
+            first = int(np.argmax(tokens >= vocab_size))
+            raise UsageError(
+                f"token id {int(tokens[first])} at position {first} is outside the model's "
+                f"vocabulary of {vocab_size}; use a model with a larger vocab_size"
+            )
         split = int(len(tokens) * (1 - val_fraction))
         self.seq_len = seq_len
         self.splits = {"train": tokens[:split], "val": tokens[split:]}

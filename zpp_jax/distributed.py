@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+import time
+from collections.abc import Callable
 
 import jax
 from jax.sharding import Mesh
@@ -128,14 +131,23 @@ def detected_launcher() -> str | None:
     return None
 
 
-def initialize(config: DistributedConfig | None = None) -> DistributedConfig:
+def initialize(
+    config: DistributedConfig | None = None,
+    on_lost_peer: Callable[[str], None] | None = None,
+) -> DistributedConfig:
     """Join the job described by `config` (default: `DistributedConfig.from_env()`).
 
     Must run before anything touches a JAX device. A single-process config
     only applies `local_cpu_devices`. With several processes the CPU
     collectives go over gloo (TCP); a process that dies is reported to the
     others after `heartbeat_timeout` seconds, and their next collective fails
-    instead of waiting forever. Returns the config used.
+    instead of waiting forever.
+
+    `on_lost_peer(message)` is called, on a background thread, when the
+    coordination service counts a process of the job as gone, or cannot be
+    reached; it should end this process (``os._exit``). Without it, JAX
+    aborts the process with a fatal log and a C++ stack trace. Returns the
+    config used.
     """
     config = DistributedConfig.from_env() if config is None else config
     if config.local_cpu_devices is not None:
@@ -145,6 +157,10 @@ def initialize(config: DistributedConfig | None = None) -> DistributedConfig:
         return config
     if config.local_cpu_devices is not None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if on_lost_peer is not None:
+        # The service then keeps serving the others when a process is lost,
+        # instead of making every agent abort; `_watch` tells them instead.
+        jax.config.update("jax_enable_recoverability", True)
     jax.distributed.initialize(
         coordinator_address=config.coordinator_address,
         num_processes=config.num_processes,
@@ -154,7 +170,68 @@ def initialize(config: DistributedConfig | None = None) -> DistributedConfig:
         heartbeat_timeout_seconds=config.heartbeat_timeout,
         shutdown_timeout_seconds=config.shutdown_timeout,
     )
+    if on_lost_peer is not None:
+        threading.Thread(
+            target=_watch, args=(jax.process_count(), on_lost_peer), daemon=True
+        ).start()
     return config
+
+
+_finished = threading.Event()
+
+
+def _watch(count: int, on_lost_peer: Callable[[str], None], interval: float = 0.25) -> None:
+    """Ask the coordination service every `interval` seconds which processes
+    are alive; call `on_lost_peer` once one is not (the service counts a
+    process dead `heartbeat_timeout` seconds after its last heartbeat, or at
+    once when it disconnects), or once the service itself cannot be reached.
+    Stops at `finish`."""
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    everyone = list(range(count))
+    while not _finished.wait(interval):
+        try:
+            live = set(client.get_live_nodes(everyone))
+            reason = None
+            lost = sorted(set(everyone) - live)
+            if lost:
+                reason = f"process {', '.join(map(str, lost))} stopped sending heartbeats"
+        except Exception as e:  # noqa: BLE001 - the service is gone, whatever the error
+            reason = f"lost the coordination service ({type(e).__name__})"
+        if reason and not _finished.is_set():
+            on_lost_peer(reason)
+            return
+
+
+def finish(timeout: int = 300) -> None:
+    """Wait until every process of the job gets here, then stop watching for
+    lost peers: a process that ends its work normally and exits is then not
+    taken for a lost one. Call it last, in every process (a no-op in one
+    process or without `initialize(on_lost_peer=...)`).
+
+    Raises:
+      jax.errors.JaxRuntimeError: a process did not arrive within `timeout`
+        seconds (it died, or hangs).
+    """
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    if client is None or _finished.is_set():
+        return
+    client.wait_at_barrier("zpp_finish", timeout * 1000)
+    _finished.set()
+    # The service lives in process 0 and, with recoverable tasks, no longer
+    # holds it back at exit: the others disconnect first, and process 0
+    # waits for that before it leaves.
+    everyone = list(range(jax.process_count()))
+    if jax.process_index() != 0:
+        jax.distributed.shutdown()
+        return
+    deadline = time.monotonic() + timeout
+    while set(client.get_live_nodes(everyone)) - {0} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    jax.distributed.shutdown()
 
 
 def node_mesh() -> Mesh:

@@ -9,8 +9,11 @@ README).
 Failure handling: a process that never joins makes the others give up after
 `init_timeout` seconds; when one process exits with an error or is killed, the
 others are left `grace` seconds to notice on their own (their next collective
-fails, or the coordination service reports the lost heartbeat), then stopped;
-the launcher returns the first failing process's exit status.
+fails, or the coordination service reports the lost heartbeat), then stopped.
+The launcher prints every process's exit status on a line of its own and
+returns the first failing process's. Its processes die with it: SIGINT and
+SIGTERM are passed on to them, and on Linux each process is also killed when
+the launcher dies for any reason, SIGKILL included (the parent-death signal).
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ def launch(
             env=process_env(
                 i, nodes, local, coordinator, heartbeat_timeout, init_timeout=init_timeout
             ),
+            preexec_fn=_die_with_parent(os.getpid()),
         )
         for i in range(nodes)
     ]
@@ -115,18 +119,50 @@ def launch(
                 p.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    stopped: list[int] = []
     try:
-        return _wait(procs, grace)
+        return _wait(procs, grace, stopped)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-        for p in procs:
+        for i, p in enumerate(procs):
             if p.poll() is None:
+                stopped.append(i)
                 p.kill()
                 p.wait()
+        for i, p in enumerate(procs):
+            how = "stopped by the launcher" if i in stopped else _describe(p.returncode)
+            _say(f"process {i} {how}")
 
 
-def _wait(procs: list[subprocess.Popen], grace: float) -> int:
+def _die_with_parent(parent: int):
+    """A `preexec_fn` that has the kernel SIGKILL the child when the launcher
+    dies (Linux's PR_SET_PDEATHSIG), and exits at once if it already has."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def arrange() -> None:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arrange
+
+
+def _say(message: str) -> None:
+    # A line of its own: a worker's progress bar may have left the cursor
+    # in the middle of one.
+    print(
+        f"\nzpp launch: {message}" if sys.stderr.isatty() else f"zpp launch: {message}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _wait(procs: list[subprocess.Popen], grace: float, stopped: list[int]) -> int:
     failed_at = None
     status = 0
     while True:
@@ -134,17 +170,15 @@ def _wait(procs: list[subprocess.Popen], grace: float) -> int:
         for i, code in enumerate(codes):
             if code not in (None, 0) and failed_at is None:
                 failed_at, status = time.monotonic(), _exit_status(code)
-                print(f"zpp launch: process {i} {_describe(code)}", file=sys.stderr, flush=True)
+                _say(
+                    f"process {i} {_describe(code)}; waiting up to {grace:.0f} s for the "
+                    "others to stop"
+                )
         if all(c is not None for c in codes):
             return status
         if failed_at is not None and time.monotonic() - failed_at > grace:
             alive = [i for i, c in enumerate(codes) if c is None]
-            print(
-                f"zpp launch: processes {alive} still running {grace:.0f} s after a failure: "
-                "stopping them",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(f"processes {alive} still running {grace:.0f} s after a failure: stopping them")
             return status
         time.sleep(0.2)
 

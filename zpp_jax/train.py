@@ -6,8 +6,9 @@ puts an `nnx.Optimizer` on its parameters, and compiles
 * ``train_step(state, batch) -> (state, metrics)``: the loss and gradients
   of ``loss_fn(model, batch)``, averaged over `grad_accum` micro-batches,
   clipped to `max_grad_norm` if given, then the Optax update. A step whose
-  loss or gradients hold NaN or Inf leaves the state as it was and reports
-  ``skipped = 1``;
+  loss or gradients hold NaN or Inf, or whose update would leave a NaN or
+  Inf anywhere in the state (parameters, optimizer state), leaves the state
+  as it was and reports ``skipped = 1``;
 * ``eval_step(state, batch) -> loss``, with the model in eval mode.
 
 The state is functional: ``trainer.init()`` returns the `nnx.State` of the
@@ -55,7 +56,8 @@ class Trainer:
     Memory per device: each parameter's block (1/N) and the optimizer's state
     on it, with hpZ a secondary shard per unit held from its forward to its
     backward pass, with error feedback a residual of (1 + 1/local) x each
-    unit's size.
+    unit's size; during the update, a second copy of the state's blocks (the
+    new state, kept apart from the old until the finiteness check).
 
     `model` is sharded in place (see `zpp.shard`); after `init` the state is
     what counts: the step donates its arrays, and `model(state)` gives a
@@ -106,6 +108,7 @@ class Trainer:
         # Arrays the optimizer made on one device (step counters, schedule
         # state) go onto the mesh, replicated, so the state lives on it whole.
         self._state = on_mesh(state, mesh)
+        self._state_specs = jax.tree.map(lambda a: a.sharding.spec, self._state)
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
         self.eval_step = jax.jit(self._eval_step)
 
@@ -155,21 +158,19 @@ class Trainer:
             loss, grads = self._accumulate(model, batch)
         grad_norm = jnp.sqrt(_squared_norm(grads, self._param_specs, self.mesh))
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-        def update(state):
-            model, optimizer = nnx.merge(self._graphdef, state, copy=True)
-            clipped = grads
-            if self.max_grad_norm is not None:
-                clipped = _clip(grads, grad_norm, self.max_grad_norm)
-            optimizer.update(model, clipped)
-            return nnx.state((model, optimizer))
-
-        # A cond, not a select per leaf: the update then writes the donated
-        # buffers in place, instead of XLA copying every optimizer moment to
-        # keep the old value alive for the select. A skipped step returns the
-        # state it was given, error-feedback residuals included (the forward
-        # and backward pass updated them).
-        new = jax.lax.cond(ok, update, lambda _: state, nnx.state((model, optimizer)))
+        if self.max_grad_norm is not None:
+            grads = _clip(grads, grad_norm, self.max_grad_norm)
+        optimizer.update(model, grads)
+        new = nnx.state((model, optimizer))
+        # The update is checked too (a NaN learning rate, an optimizer
+        # overflow): the step is kept only if every float array of the new
+        # state is finite on every device, one more scalar all-reduce. The
+        # old state stays alive for the select, so the optimizer's outputs
+        # take new buffers (the state's size, after the backward pass has
+        # freed its activations). A skipped step returns the state it was
+        # given, error-feedback residuals included.
+        ok &= _all_finite(new, self._state_specs, self.mesh)
+        new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
         return new, metrics
 
@@ -232,6 +233,29 @@ def _squared_norm(tree: PyTree, specs: PyTree, mesh: Mesh) -> jax.Array:
         return jax.lax.psum(total, AXES)
 
     return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec_leaves), out_specs=P())(*leaves)
+
+
+def _all_finite(tree: PyTree, specs: PyTree, mesh: Mesh) -> jax.Array:
+    """True when every float element of `tree`, whose arrays are laid out on
+    `mesh` as `specs` says, is finite. Each device counts the non-finite
+    elements of its blocks, then one scalar all-reduce adds the counts
+    (where the partitioner would reduce one scalar per array)."""
+    pairs = [
+        (x, spec)
+        for x, spec in zip(jax.tree.leaves(tree), _spec_leaves(specs), strict=True)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+
+    def local(*blocks):
+        bad = sum(jnp.sum(~jnp.isfinite(b), dtype=jnp.int32) for b in blocks)
+        return jax.lax.psum(bad, AXES) == 0
+
+    in_specs = tuple(spec for _, spec in pairs)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P())(*[x for x, _ in pairs])
+
+
+def _spec_leaves(specs: PyTree) -> list[P]:
+    return jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def _clip(grads: PyTree, norm: jax.Array, max_norm: float) -> PyTree:

@@ -5,6 +5,7 @@ handling, and one module per subcommand (`train`, `comm`, `demo`, `plan`,
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -140,7 +141,7 @@ def _join_job(args) -> None:
         args.local = 4 if args.local is None else args.local
         _use_emulated_devices(args.nodes * args.local)
         return
-    initialize(dist)
+    initialize(dist, on_lost_peer=functools.partial(_lost_peer, args.command))
     import jax
 
     nodes, local = jax.process_count(), jax.local_device_count()
@@ -185,6 +186,7 @@ def _train(args) -> int:
             ckpt_dir=args.ckpt_dir,
             ckpt_every=args.ckpt_every,
             resume=args.resume,
+            overwrite=args.overwrite,
             progress=not args.quiet,
         )
     )
@@ -303,7 +305,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--plot", default=None, help="loss plot PNG (default: beside --metrics)")
     train.add_argument("--ckpt-dir", default=None)
     train.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints")
-    train.add_argument("--resume", action="store_true", help="continue from --ckpt-dir")
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --ckpt-dir from its newest intact checkpoint (the same "
+        "settings are required; a missing or empty directory starts a new run)",
+    )
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the checkpoints in --ckpt-dir and the --metrics file of an earlier run "
+        "and start a new one (without it, a run never reuses them)",
+    )
     train.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     _add_technique_flags(train)
     train.set_defaults(func=_train)
@@ -413,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         code = args.func(args)
+        if _in_job():
+            from zpp_jax.distributed import finish
+
+            finish()  # no process leaves before all are done
     except UsageError as e:  # bad input: one line; anything else keeps its traceback
         print(f"zpp {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -421,20 +438,30 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # In a multi-process job a failed collective almost always means that
         # another process died: say so instead of leaving only an XLA trace.
-        print(
-            f"zpp {args.command}: error: {type(e).__name__}: {_first_line(e)}\n"
-            f"zpp {args.command}: another process of this job has probably died or lost its "
-            "connection; restart every process (with --resume to continue from the last "
-            "checkpoint)",
-            file=sys.stderr,
-        )
-        # Leave now: the orderly shutdown would wait on a barrier the dead
-        # process never reaches, then abort.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(3)
-    print(f"zpp {args.command}: done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        _lost_peer(args.command, f"{type(e).__name__}: {_first_line(e)}")
+    took = time.perf_counter() - start
+    if code == 0:
+        print(f"zpp {args.command}: done in {took:.1f} s", file=sys.stderr)
+    else:
+        print(f"zpp {args.command}: failed with status {code} after {took:.1f} s", file=sys.stderr)
     return code
+
+
+def _lost_peer(command: str, reason: str) -> None:
+    """End this process of a multi-process job whose peer is gone: one clear
+    message and exit status 3, from whichever thread noticed."""
+    print(
+        f"zpp {command}: error: {reason}\n"
+        f"zpp {command}: another process of this job has probably died or lost its "
+        "connection; restart every process (with --resume to continue from the last "
+        "checkpoint)",
+        file=sys.stderr,
+    )
+    # Leave now: the orderly shutdown would wait on a barrier the dead
+    # process never reaches, then abort.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(3)
 
 
 def _in_job() -> bool:

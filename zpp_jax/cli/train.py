@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +31,7 @@ import optax
 from flax import nnx
 
 from zpp_jax.checkpoint import Checkpointer
+from zpp_jax.cli import runs
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.data import ByteDataset, host_to_global, load_text, stdlib_corpus
 from zpp_jax.errors import UsageError, check_positive_ints
@@ -68,6 +70,7 @@ class RunConfig:
     ckpt_dir: str | None = None
     ckpt_every: int = 0
     resume: bool = False
+    overwrite: bool = False
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -82,6 +85,19 @@ class RunConfig:
             raise UsageError(f"unknown architecture {self.arch!r}; choose one of {ARCHS}")
         if not 0 < self.clip < math.inf:
             raise UsageError(f"--clip must be a positive finite gradient norm, got {self.clip}")
+        if not 0 < self.lr < math.inf:
+            raise UsageError(f"--lr must be a positive finite learning rate, got {self.lr}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise UsageError(f"weight_decay must be finite and >= 0, got {self.weight_decay}")
+        if self.warmup < 0:
+            raise UsageError(f"--warmup must be >= 0 steps, got {self.warmup}")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise UsageError(
+                f"--seq must be a positive number of tokens, got {self.seq_len} "
+                "(leave it out for the preset's length)"
+            )
+        if self.resume and self.overwrite:
+            raise UsageError("--resume continues a run and --overwrite deletes it: pass one")
 
 
 # -- build ----------------------------------------------------------------------
@@ -90,7 +106,7 @@ class RunConfig:
 def model_config(cfg: RunConfig) -> GPTConfig | LlamaConfig:
     config_class = GPTConfig if cfg.arch == "gpt" else LlamaConfig
     model_cfg = config_class.preset(cfg.model, dtype=cfg.compute_dtype)
-    if cfg.seq_len:
+    if cfg.seq_len is not None:
         model_cfg = dataclasses.replace(model_cfg, seq_len=cfg.seq_len)
     return model_cfg
 
@@ -133,6 +149,7 @@ class Job:
     checkpointer: Checkpointer | None
     state: Any
     position: int  # batches consumed: where the run resumes
+    identity: dict  # saved with each checkpoint, checked on resume
     train_step: Any = None
     eval_step: Any = None
     cross_node_bytes: float = 0.0
@@ -143,18 +160,29 @@ class Job:
         return host_to_global(rows, self.trainer.batch_sharding())
 
 
-def build(cfg: RunConfig) -> Job:
-    """Data, model, trainer, checkpointer and state; the steps compiled."""
+def build(cfg: RunConfig, log=print) -> Job:
+    """Data, model, trainer, checkpointer and state; the steps compiled.
+    Paths and outputs are checked before anything is built (see `runs`)."""
+    runs.check_paths(cfg)
+    runs.claim(cfg, log, delete=jax.process_index() == 0)
     model_cfg = model_config(cfg)
-    data = ByteDataset(load_text(cfg.data) if cfg.data else stdlib_corpus(), model_cfg.seq_len)
+    tokens = load_text(cfg.data) if cfg.data else stdlib_corpus()
+    data = ByteDataset(tokens, model_cfg.seq_len, vocab_size=model_cfg.vocab_size)
     trainer = make_trainer(cfg)
     trainer.check_batch_size(cfg.batch)
     checkpointer = Checkpointer(cfg.ckpt_dir) if cfg.ckpt_dir else None
     state, position = trainer.init(), 0
-    if cfg.resume and checkpointer.latest_step() is not None:
-        state, meta = checkpointer.restore(trainer.abstract_state())
-        position = meta["data_position"]
-    job = Job(cfg, model_cfg, data, trainer, checkpointer, state, position)
+    run_identity = runs.identity(cfg, tokens)
+    if cfg.resume:
+        restored = runs.restore_latest_intact(
+            checkpointer, trainer.abstract_state(), run_identity, log
+        )
+        if restored is None:
+            log(f"--resume: no checkpoint in {cfg.ckpt_dir}; starting a new run")
+        else:
+            state, meta = restored
+            position = meta["data_position"]
+    job = Job(cfg, model_cfg, data, trainer, checkpointer, state, position, run_identity)
     job.train_step = trainer.train_step.lower(state, job.batch("train", 0)).compile()
     job.eval_step = trainer.eval_step.lower(state, job.batch("val", 0)).compile()
     moved = summarize(job.train_step.as_text(), cfg.local)
@@ -190,7 +218,9 @@ def loop(job: Job) -> Iterator[dict]:
         if (cfg.eval_every and job.position % cfg.eval_every == 0) or last:
             record["val_loss"] = evaluate(job)
         if job.checkpointer and ((cfg.ckpt_every and job.position % cfg.ckpt_every == 0) or last):
-            job.checkpointer.save(job.position, job.state, data_position=job.position)
+            job.checkpointer.save(
+                job.position, job.state, data_position=job.position, identity=job.identity
+            )
         yield record
 
 
@@ -217,7 +247,10 @@ class Output:
                 pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.file = None
         if cfg.metrics and self.lead:
-            self.file = open(cfg.metrics, "a" if cfg.resume else "w")  # noqa: SIM115
+            # A new run starts on an empty file (`runs.claim`); a resumed one
+            # appends after the records up to its checkpoint.
+            runs.cut_metrics(cfg.metrics, position)
+            self.file = open(cfg.metrics, "a")  # noqa: SIM115
         self.bar = None
         if cfg.progress and self.lead:
             from tqdm import tqdm
@@ -232,7 +265,7 @@ class Output:
 
     def record(self, rec: dict) -> None:
         if self.file:
-            self.file.write(json.dumps(rec) + "\n")
+            self.file.write(json_record(rec) + "\n")
             self.file.flush()
         if self.bar is not None:
             self.bar.set_postfix(
@@ -257,6 +290,15 @@ class Output:
             plot_losses(self.cfg.metrics, self.cfg.plot, records)
 
 
+def json_record(rec: dict) -> str:
+    """`rec` as one line of strict JSON: a NaN or infinite value is written as
+    null and its key listed under ``nonfinite``."""
+    bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        rec = {**{k: (None if k in bad else v) for k, v in rec.items()}, "nonfinite": bad}
+    return json.dumps(rec, allow_nan=False)
+
+
 def plot_losses(metrics_file: str | None, path: str, records: list[dict]) -> None:
     """PNG of train and validation loss (all records of `metrics_file` if given)."""
     import matplotlib
@@ -267,10 +309,14 @@ def plot_losses(metrics_file: str | None, path: str, records: list[dict]) -> Non
     if metrics_file and pathlib.Path(metrics_file).exists():
         with open(metrics_file) as f:
             records = [json.loads(line) for line in f]
+
+    def value(r, key):  # null (non-finite) in the file
+        return float("nan") if r[key] is None else r[key]
+
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train", lw=1)
+    ax.plot([r["step"] for r in records], [value(r, "loss") for r in records], label="train", lw=1)
     val = [r for r in records if "val_loss" in r]
-    ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.plot([r["step"] for r in val], [value(r, "val_loss") for r in val], "o-", label="validation")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per byte)")
     ax.legend()
@@ -283,9 +329,16 @@ def plot_losses(metrics_file: str | None, path: str, records: list[dict]) -> Non
 # -- all three ----------------------------------------------------------------------
 
 
+def _warn(message: str) -> None:
+    """What a run must tell even with --quiet (checkpoints skipped or
+    deleted), on process 0's stderr."""
+    if jax.process_index() == 0:
+        print(f"zpp train: {message}", file=sys.stderr, flush=True)
+
+
 def run(cfg: RunConfig) -> list[dict]:
     """Train; returns the metrics records (also written to `cfg.metrics`)."""
-    job = build(cfg)
+    job = build(cfg, log=_warn)
     output = Output(cfg, job.position)
     if job.position:
         output.log(f"resumed at batch {job.position} from {cfg.ckpt_dir}")
