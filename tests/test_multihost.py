@@ -268,10 +268,14 @@ def _launch_peers(tmp_path):
     )
     pids = [tmp_path / f"pid{i}" for i in range(2)]
     deadline = time.monotonic() + 120  # a hang guard for start-up
-    while not all(p.exists() for p in pids):
-        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the job did not start"
-        time.sleep(0.05)
+    try:
+        while not all(p.exists() for p in pids):
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.05)
+    except BaseException:
+        launcher.kill()  # its workers die with it
+        raise
     return launcher, [int(p.read_text()) for p in pids]
 
 

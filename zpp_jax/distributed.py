@@ -171,13 +171,15 @@ def initialize(
         shutdown_timeout_seconds=config.shutdown_timeout,
     )
     if on_lost_peer is not None:
+        _watching.set()
         threading.Thread(
             target=_watch, args=(jax.process_count(), on_lost_peer), daemon=True
         ).start()
     return config
 
 
-_finished = threading.Event()
+_watching = threading.Event()  # `initialize` started the watchdog
+_finished = threading.Event()  # `finish` stopped it
 
 
 def _watch(count: int, on_lost_peer: Callable[[str], None], interval: float = 0.25) -> None:
@@ -208,7 +210,8 @@ def finish(timeout: int = 300) -> None:
     """Wait until every process of the job gets here, then stop watching for
     lost peers: a process that ends its work normally and exits is then not
     taken for a lost one. Call it last, in every process (a no-op in one
-    process or without `initialize(on_lost_peer=...)`).
+    process or without `initialize(on_lost_peer=...)`, where JAX's own
+    shutdown barrier does this).
 
     Raises:
       jax.errors.JaxRuntimeError: a process did not arrive within `timeout`
@@ -217,7 +220,7 @@ def finish(timeout: int = 300) -> None:
     from jax._src import distributed as jax_distributed
 
     client = jax_distributed.global_state.client
-    if client is None or _finished.is_set():
+    if client is None or not _watching.is_set() or _finished.is_set():
         return
     client.wait_at_barrier("zpp_finish", timeout * 1000)
     _finished.set()
