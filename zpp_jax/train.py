@@ -247,7 +247,15 @@ def _all_finite(tree: PyTree, specs: PyTree, mesh: Mesh) -> jax.Array:
     ]
 
     def local(*blocks):
-        bad = sum(jnp.sum(~jnp.isfinite(b), dtype=jnp.int32) for b in blocks)
+        # Blocks of one shape and dtype (a parameter and its optimizer
+        # moments) are counted in one reduction over their stack, which XLA
+        # fuses without writing it: one pass each instead of one per array.
+        groups: dict = {}
+        for b in blocks:
+            groups.setdefault((b.shape, b.dtype), []).append(b)
+        bad = sum(
+            jnp.sum(~jnp.isfinite(jnp.stack(group)), dtype=jnp.int32) for group in groups.values()
+        )
         return jax.lax.psum(bad, AXES) == 0
 
     in_specs = tuple(spec for _, spec in pairs)
