@@ -8,6 +8,10 @@ import dataclasses
 import json
 import pathlib
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -90,29 +94,73 @@ def test_cut_metrics_keeps_the_steps_up_to_the_checkpoint(tmp_path):
     assert [r["step"] for r in _records(path)] == [1, 2, 3, 4]
 
 
+# Runs `run` in a child process that holds checkpoint `argv[1]` just before
+# orbax's rename commits it (its arrays and metadata written to the temporary
+# directory), touches `argv[2]` and waits there to be killed.
+_HELD_SAVE = """
+import dataclasses, json, pathlib, sys, time
+from orbax.checkpoint._src.path import atomicity
+sys.path.insert(0, {tests!r})
+from test_runs import BASE
+from zpp_jax.cli.train import run
+
+stop, marker, kw = sys.argv[1], pathlib.Path(sys.argv[2]), json.loads(sys.argv[3])
+commit = atomicity.AtomicRenameTemporaryPath.finalize
+
+async def held(self):
+    if self._final_path.name == stop:
+        marker.touch()
+        time.sleep(600)
+    await commit(self)
+
+atomicity.AtomicRenameTemporaryPath.finalize = held
+run(dataclasses.replace(BASE, **kw))
+"""
+
+
+def _sigkill_during_save(step, marker, **kw):
+    """A run SIGKILLed while checkpoint `step` is being written."""
+    script = _HELD_SAVE.format(tests=str(pathlib.Path(__file__).parent))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(step), str(marker), json.dumps(kw)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the save was never reached"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
 @pytest.mark.slow
-def test_damaged_or_half_saved_checkpoints_resume_exactly(tmp_path, capfd):
-    """Case 3 and the fault runs: the latest checkpoint damaged (a data file
-    cut short, or its metadata gone), or a save killed half-way (orbax's
-    temporary directory left behind, metrics written past the last
-    checkpoint): --resume continues from the newest intact checkpoint,
-    says which it skipped, deletes nothing, and ends with the losses of an
-    uninterrupted run and no step recorded twice."""
+def test_killed_save_and_damaged_checkpoint_resume_exactly(tmp_path, capfd):
+    """Case 3 and two fault runs. A run is SIGKILLed in the middle of saving
+    checkpoint 6, and the latest complete checkpoint, 4, is then damaged (a
+    data file cut short; later its metadata deleted). --resume continues
+    from the newest intact checkpoint, 2, says which it skipped, deletes
+    nothing, and ends with the losses of an uninterrupted run and no step
+    recorded twice."""
     want = [r["loss"] for r in _run(steps=6)]
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     out = dict(ckpt_dir=str(ckpt), metrics=str(metrics), plot=None)
-    _run(steps=4, ckpt_every=2, **out)
+    _sigkill_during_save(6, tmp_path / "held", steps=6, ckpt_every=2, **out)
     assert _steps(ckpt) == [2, 4]
+    assert [p.name for p in ckpt.iterdir() if p.name.startswith("6.")]  # the half-written save
+    # Step 6 is recorded once its checkpoint is saved.
+    assert [r["step"] for r in _records(metrics)] == [1, 2, 3, 4, 5]
     # Damage step 4: cut one of its array files to half.
     files = [p for p in (ckpt / "4").rglob("*") if p.is_file() and p.stat().st_size > 1000]
     victim = max(files, key=lambda p: p.stat().st_size)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    # A save of step 6 killed half-way: its temporary directory, and the
-    # metrics of steps 5 and 6 already written.
-    shutil.copytree(ckpt / "2", ckpt / "6.orbax-checkpoint-tmp-1234")
-    with open(metrics, "a") as f:
-        f.write(json.dumps({"step": 5, "loss": 0.0}) + "\n" + '{"step": 6, "lo')
 
     capfd.readouterr()
     _run(steps=6, resume=True, **out)
