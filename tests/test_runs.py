@@ -163,11 +163,12 @@ def test_killed_save_and_damaged_checkpoint_resume_exactly(tmp_path, capfd):
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
 
     capfd.readouterr()
-    _run(steps=6, resume=True, **out)
+    _run(steps=6, ckpt_every=2, resume=True, **out)
     err = capfd.readouterr().err
     assert "skipping checkpoint 4, it is damaged" in err
-    assert "restored checkpoint 2 (skipped damaged [4]; kept on disk)" in err
-    assert (ckpt / "4").exists()  # nothing deleted
+    assert "restored checkpoint 2 (skipped damaged [4]; kept on disk as 4.damaged)" in err
+    # Nothing deleted: the damaged step is set aside, and saved again.
+    assert (ckpt / "4.damaged").is_dir() and _steps(ckpt) == [2, 4, 6]
     got = _records(metrics)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in got] == want
@@ -176,6 +177,8 @@ def test_killed_save_and_damaged_checkpoint_resume_exactly(tmp_path, capfd):
     for p in (ckpt / "4").rglob("*meta*"):
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     (ckpt / "6").rename(tmp_path / "six")
-    _run(steps=6, resume=True, **out)
-    assert "skipping checkpoint 4" in capfd.readouterr().err
+    _run(steps=6, ckpt_every=2, resume=True, **out)
+    err = capfd.readouterr().err
+    assert "skipping checkpoint 4, its metadata is damaged" in err
+    assert "kept on disk as 4.damaged-2" in err
     assert [r["loss"] for r in _records(metrics)] == want

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import SingleDeviceSharding
 
 from zpp_jax.errors import UsageError
@@ -81,6 +82,24 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
+
+    def set_aside(self, step: int) -> pathlib.Path:
+        """Rename checkpoint `step` to ``<step>.damaged`` (``.damaged-2``, ...
+        if taken), so that it is kept but no longer counts as a checkpoint
+        and the step can be saved again. Process 0 renames; every process
+        waits for it. Returns the new path."""
+        source = self.directory / str(step)
+        target = self.directory / f"{step}.damaged"
+        k = 1
+        while target.exists():
+            k += 1
+            target = self.directory / f"{step}.damaged-{k}"
+        if jax.process_index() == 0:
+            source.rename(target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"zpp-set-aside-{step}")
+        self._manager.reload()
+        return target
 
     def read_meta(self, step: int) -> dict:
         """The JSON metadata of checkpoint `step` (no arrays are read)."""

@@ -183,7 +183,10 @@ def restore_latest_intact(
 
     A checkpoint that fails to restore (a truncated or missing file) is
     skipped with a line through `log` naming it and the error; older ones
-    are tried in turn. Nothing is deleted.
+    are tried in turn. Once one restores, the damaged ones are renamed to
+    ``<step>.damaged`` (`Checkpointer.set_aside`): kept on disk, and out of
+    the way of the resumed run, which saves those steps again. Nothing is
+    deleted.
 
     Raises:
       UsageError: the newest intact checkpoint is of another run (its
@@ -223,7 +226,11 @@ def restore_latest_intact(
             log(f"--resume: skipping checkpoint {step}, it is damaged: {_brief(e)}")
             continue
         if skipped:
-            log(f"--resume: restored checkpoint {step} (skipped damaged {skipped}; kept on disk)")
+            kept = [checkpointer.set_aside(s).name for s in skipped]
+            log(
+                f"--resume: restored checkpoint {step} (skipped damaged {skipped}; kept on "
+                f"disk as {', '.join(kept)})"
+            )
         return state, meta
     raise UsageError(
         f"--resume: none of the checkpoints {steps} in {checkpointer.directory} restores "
