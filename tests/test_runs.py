@@ -80,10 +80,18 @@ def test_skipped_steps_do_not_collide_and_leave_the_state(tmp_path):
     assert _steps(ckpt) == [2, 4, 5]
 
 
-def test_resume_from_nothing_says_so(tmp_path, capfd):
-    _run(steps=1, ckpt_dir=str(tmp_path / "none"), resume=True)
+def test_resume_from_nothing_or_past_the_end_says_so(tmp_path, capfd):
+    """Case 6: --resume on an empty directory starts a new run and says so;
+    on a checkpoint at --steps it has nothing to do and says so; past
+    --steps it refuses."""
+    ckpt = str(tmp_path / "none")
+    _run(steps=2, ckpt_dir=ckpt, resume=True)
     err = capfd.readouterr().err
     assert "--resume: no checkpoint in" in err and "starting a new run" in err
+    assert _run(steps=2, ckpt_dir=ckpt, resume=True) == []
+    assert "--resume: checkpoint 2 is the last step (--steps 2)" in capfd.readouterr().err
+    with pytest.raises(UsageError, match=r"checkpoint 2 in .* is past --steps 1; pass --steps"):
+        _run(steps=1, ckpt_dir=ckpt, resume=True)
 
 
 def test_cut_metrics_keeps_the_steps_up_to_the_checkpoint(tmp_path):

@@ -182,6 +182,13 @@ def build(cfg: RunConfig, log=print) -> Job:
         else:
             state, meta = restored
             position = meta["data_position"]
+            if position > cfg.steps:
+                raise UsageError(
+                    f"--resume: checkpoint {position} in {cfg.ckpt_dir} is past --steps "
+                    f"{cfg.steps}; pass --steps above {position} to train on"
+                )
+            if position == cfg.steps:
+                log(f"--resume: checkpoint {position} is the last step (--steps {cfg.steps})")
     job = Job(cfg, model_cfg, data, trainer, checkpointer, state, position, run_identity)
     job.train_step = trainer.train_step.lower(state, job.batch("train", 0)).compile()
     job.eval_step = trainer.eval_step.lower(state, job.batch("val", 0)).compile()
