@@ -80,6 +80,13 @@ def test_module_entry_point():
         (["demo", "--batch", "6", "--steps", "1"], "must be a multiple of the 8 devices"),
         (["demo", "--nodes", "3", "--local", "4"], "does not match the 8 devices"),
         (["demo", "--block-size", "0"], "block_size must be a positive int"),
+        (["demo", "--batch", "0"], "--batch must be positive, got 0"),
+        (["demo", "--d-model", "0"], "--d-model must be positive, got 0"),
+        (["demo", "--seq", "0"], "--seq must be positive, got 0"),
+        (["demo", "--layers", "0"], "--layers must be positive, got 0"),
+        (["demo", "--layers", "-1"], "--layers must be positive, got -1"),
+        (["demo", "--nodes", "0"], "nodes must be a positive int, got 0"),
+        (["demo", "--lr", "nan"], "--lr must be a positive finite learning rate"),
         (
             ["train", "--batch", "12", "--steps", "1", "--quiet"],
             "global batch 12 must be a multiple of devices x grad_accum = 8 x 1",

@@ -90,3 +90,15 @@ def test_alignment_is_the_lcm_of_active_blocks():
 def test_model_configs_name_bad_sizes(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_gpt_refuses_sequences_longer_than_its_context():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from zpp_jax.models import GPT
+
+    model = GPT(GPTConfig(seq_len=8, d_model=16, n_layers=1, n_heads=2, d_ff=32), nnx.Rngs(0))
+    assert model(jnp.zeros((1, 8), jnp.int32)).shape[:2] == (1, 8)
+    with pytest.raises(ValueError, match="sequences of 9 tokens exceed the GPT's context of 8"):
+        model(jnp.zeros((1, 9), jnp.int32))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -30,6 +32,12 @@ def run_demo(
     lr: float,
     seed: int,
 ) -> int:
+    sizes = dict(layers=layers, d_model=d_model, d_ff=d_ff, batch=batch, seq=seq, steps=steps)
+    for name, value in sizes.items():
+        if value <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if not (lr > 0 and math.isfinite(lr)):
+        raise UsageError(f"--lr must be a positive finite learning rate, got {lr}")
     mesh = make_mesh(nodes, local)
     n = nodes * local
     if batch % n:

@@ -68,7 +68,12 @@ class Embed(nnx.Module):
         self.dtype = cfg.dtype
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        t = tokens.shape[-1]
+        t, context = tokens.shape[-1], self.positions.shape[0]
+        if t > context:
+            raise UsageError(
+                f"sequences of {t} tokens exceed the GPT's context of {context} positions; "
+                "build the model with a longer GPTConfig(seq_len=...) or cut the sequences"
+            )
         return self.tokens(tokens) + self.positions[...][:t].astype(self.dtype)
 
 
