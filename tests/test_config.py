@@ -57,6 +57,7 @@ def test_frozen():
         (dict(residual_dtype="int8"), "residual_dtype='int8'"),
         (dict(comm_dtype="int8"), "comm_dtype='int8'"),
         (dict(hpz=1), "hpz must be a bool"),
+        (dict(remat="dot"), "remat=.dot. is not supported; use one of"),
     ],
 )
 def test_bad_values_name_the_problem(kwargs, message):

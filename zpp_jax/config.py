@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 from zpp_jax.errors import UsageError
 
@@ -12,6 +13,7 @@ _SUPPORTED_GRADIENT_BITS = (4, 8)
 _SUPPORTED_RESIDUAL_DTYPES = ("float32", "bfloat16")
 _SUPPORTED_ROUNDINGS = ("stochastic", "nearest")
 _SUPPORTED_SCALE_DTYPES = ("bfloat16", "float32")
+_SUPPORTED_REMATS = ("dots", "none", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,19 @@ class ZeroPPConfig:
       comm_dtype: dtype of the *unquantized* collectives (the plain all-gather
         and reduce-scatter), e.g. "bfloat16" for a ZeRO-3 baseline that moves
         bf16 weights and gradients. None moves the fp32 master values exactly.
+      remat: what a unit keeps from its forward pass for its backward pass.
+        Gathered weights are never kept: the backward pass gathers them again
+        (with hpZ only inside the node), whatever the choice.
+        "dots": the outputs of the unit's matmuls are kept and its
+        elementwise operations recomputed, so the backward pass runs no
+        matmul of the forward pass again. "none": everything autodiff keeps
+        (as plain `jax.jit` does), elementwise intermediates included, so
+        nothing is recomputed. "full" (default): only the unit's input is
+        kept and its whole forward pass is recomputed (one more forward pass,
+        the least activation memory). A `jax.checkpoint` policy (e.g.
+        ``jax.checkpoint_policies.save_only_these_names("attn")``): what the
+        policy saves is kept, the rest recomputed. Changes memory and time,
+        not the math.
     """
 
     quantize_weights: bool = True
@@ -75,6 +90,7 @@ class ZeroPPConfig:
     gradient_rounding: str = "stochastic"
     gradient_scale_dtype: str = "bfloat16"
     comm_dtype: str | None = None
+    remat: str | Callable[..., bool] = "full"
 
     def __post_init__(self) -> None:
         for name in ("quantize_weights", "hpz", "quantize_gradients", "error_feedback"):
@@ -117,6 +133,11 @@ class ZeroPPConfig:
             raise UsageError(
                 f"residual_dtype={self.residual_dtype!r} is not supported; use one of "
                 f"{_SUPPORTED_RESIDUAL_DTYPES}"
+            )
+        if not callable(self.remat) and self.remat not in _SUPPORTED_REMATS:
+            raise UsageError(
+                f"remat={self.remat!r} is not supported; use one of {_SUPPORTED_REMATS} or a "
+                "jax.checkpoint policy (e.g. jax.checkpoint_policies.save_only_these_names)"
             )
         if self.comm_dtype not in (None, "float32", "bfloat16", "float16"):
             raise UsageError(

@@ -2,10 +2,11 @@
 
 Writing ``w = gather(shard); y = f(w, x)`` and letting autodiff do the rest
 keeps every layer's full weight alive until the backward pass, and ZeRO-3's
-memory saving is lost. `ShardedLayer` instead keeps, per layer, only the
-layer input and (with hpZ) a secondary shard; the backward pass re-gathers the
-weight, recomputes the layer under `jax.vjp` and reduces the weight gradient
-straight to the primary shard.
+memory saving is lost. `ShardedLayer` instead keeps, per layer, the
+activations its backward pass needs (or, with ``remat="full"``, only its
+input) and, with hpZ, a secondary shard; the backward pass re-gathers the
+weight, rebuilds the layer's vjp with it (recomputing what the policy did not
+keep) and reduces the weight gradient straight to the primary shard.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as kernels
-from zpp_jax import collectives, quant
+from zpp_jax import collectives, quant, residuals
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, LOCAL, NODE, mesh_shape
@@ -42,12 +43,19 @@ class ShardedLayer:
       * forward: the weights are gathered (qwZ: as int8/int4 codes + fp32
         scales; else in `config.comm_dtype`) and cast to `compute_dtype`
         (default: each leaf's own dtype); `fn` runs once.
-      * saved for the backward pass: the layer input `x` and, with hpZ, a
-        secondary shard (1/local of the gathered weight, in the wire format:
-        N*s/local bytes with int8). Nothing of the full weight is kept.
+      * saved for the backward pass, by `config.remat`: the residuals of
+        ``jax.vjp`` that depend on `x` (see `zpp_jax.residuals`), of `fn`
+        itself ("none": all activations autodiff keeps) or of
+        ``jax.checkpoint(fn, policy=...)`` ("dots": matmul outputs and `x`;
+        or the policy given); "full": only `x`.
+        With hpZ also a secondary shard (1/local of the gathered weight, in
+        the wire format: N*s/local bytes with int8). Nothing of the full
+        weight, nor anything computed from the weights alone, is kept.
       * backward: the weight is re-gathered (hpZ: over `local` only, from the
-        secondary shards, bit-identical to the forward weight), `fn` is
-        recomputed under `jax.vjp`, and the weight gradient (flattened to fp32)
+        secondary shards, bit-identical to the forward weight); "none" runs
+        the saved vjp with it, "full" recomputes `fn` under `jax.vjp` (one
+        more forward pass), a policy recomputes what it did not save. The
+        weight gradient (flattened to fp32)
         is reduced over all devices and scattered to this device's shard
         (qgZ: quantized hierarchical all-to-all; else reduce-scatter). The
         cotangent returned for `shard` is that reduced gradient: the mean
@@ -368,7 +376,15 @@ def _tie(saved, g):
     return jax.tree.map(tie, saved)
 
 
+# The named recomputation policies ("full" is the layer's own path).
+_POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_saveable, "full": None}
+
+
 def _build(layer: ShardedLayer):
+    remat = layer.config.remat
+    policy = _POLICIES[remat] if isinstance(remat, str) else remat
+    fn = layer.fn if policy is None else jax.checkpoint(layer.fn, policy=policy)
+
     @jax.custom_vjp
     def apply(shard, residual, x):
         params, _ = layer._gather_forward(_tie(shard, x))
@@ -379,18 +395,24 @@ def _build(layer: ShardedLayer):
         # without it, layers of an unrolled list could all be gathered at
         # once and the full weights of every layer be live together.
         params, secondary = layer._gather_forward(_tie(shard, x))
-        y = layer.fn(params, x)
+        if remat == "full":
+            y, kept = layer.fn(params, x), x
+        else:
+            y, kept = residuals.split_vjp(fn, params, x)
         saved = secondary if layer.config.hpz else shard
-        return y, (saved, residual, x)
+        return y, (saved, residual, kept)
 
     def bwd(res, g):
-        saved, residual, x = res
+        saved, residual, kept = res
         # Tie the re-gather to the cotangent so XLA cannot merge it with the
         # forward gather (which would keep the full weight alive in between).
         saved, g = lax.optimization_barrier((saved, g))
         saved = _tie(saved, g)
         params = layer._gather_backward(saved)
-        _, vjp = jax.vjp(layer.fn, params, x)
+        if remat == "full":
+            _, vjp = jax.vjp(layer.fn, params, kept)
+        else:
+            vjp = residuals.pullback(kept, params)
         g_params, g_x = vjp(g)
         shard_grad, new_residual = layer._reduce(g_params, residual)
         return shard_grad, new_residual, g_x
