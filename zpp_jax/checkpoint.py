@@ -83,6 +83,13 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
+    @staticmethod
+    def steps_in(directory: str | pathlib.Path) -> list[int]:
+        """The complete checkpoints in `directory`, in order, as `all_steps`
+        counts them; read without creating the directory (none if it does
+        not exist)."""
+        return sorted(ocp.utils.checkpoint_steps(directory))
+
     def set_aside(self, step: int) -> pathlib.Path:
         """Rename checkpoint `step` to ``<step>.damaged`` (``.damaged-2``, ...
         if taken), so that it is kept but no longer counts as a checkpoint

@@ -11,6 +11,14 @@ class UsageError(ValueError):
     """
 
 
+def check_positive_finite(name: str, value, what: str) -> None:
+    """Raise UsageError unless `value` is a real number, > 0 and finite;
+    the message names it as `name`, "a positive finite `what`"."""
+    real = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (real and 0 < value < float("inf")):
+        raise UsageError(f"{name} must be a positive finite {what}, got {value!r}")
+
+
 def check_positive_ints(obj, names, prefix: str = "") -> None:
     """Raise UsageError unless each attribute `names` of `obj` is an int > 0."""
     for name in names:

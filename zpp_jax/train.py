@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import UsageError, check_positive_finite
 from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.shard import Policy, batch_sharding, on_mesh, shard, value_and_grad
 
@@ -86,15 +86,8 @@ class Trainer:
     ) -> None:
         if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum <= 0:
             raise UsageError(f"grad_accum must be a positive int, got {grad_accum!r}")
-        if max_grad_norm is not None and not (
-            isinstance(max_grad_norm, (int, float))
-            and not isinstance(max_grad_norm, bool)
-            and 0 < max_grad_norm < float("inf")
-        ):
-            raise UsageError(
-                f"max_grad_norm must be a positive finite number or None (no clipping), "
-                f"got {max_grad_norm!r}"
-            )
+        if max_grad_norm is not None:
+            check_positive_finite("max_grad_norm", max_grad_norm, "number or None (no clipping)")
         self.max_grad_norm = max_grad_norm
         nodes, local = mesh_shape(mesh)
         self.mesh, self.num_devices = mesh, nodes * local
@@ -216,10 +209,7 @@ def _squared_norm(tree: PyTree, specs: PyTree, mesh: Mesh) -> jax.Array:
     `mesh` as `specs` says, in fp32. Each device sums the squares of its
     blocks, then one scalar all-reduce adds the devices' sums (where the
     partitioner would reduce one scalar per array)."""
-    leaves, spec_leaves = (
-        jax.tree.leaves(tree),
-        jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
-    )
+    leaves, spec_leaves = jax.tree.leaves(tree), _spec_leaves(specs)
 
     def copies(spec: P) -> int:
         """Devices holding each element: the sizes of the axes it is not split over."""

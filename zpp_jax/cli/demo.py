@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -11,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import UsageError, check_positive_finite
 from zpp_jax.layer import ShardedLayer, stack_value_and_grad
 from zpp_jax.mesh import AXES, make_mesh, mesh_shape
 from zpp_jax.models.blocks import block, init_stack
@@ -36,8 +34,7 @@ def run_demo(
     for name, value in sizes.items():
         if value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if not (lr > 0 and math.isfinite(lr)):
-        raise UsageError(f"--lr must be a positive finite learning rate, got {lr}")
+    check_positive_finite("--lr", lr, "learning rate")
     mesh = make_mesh(nodes, local)
     n = nodes * local
     if batch % n:

@@ -139,7 +139,7 @@ def claim(cfg: Any, log: Callable[[str], None], delete: bool = True) -> None:
     through `log`."""
     if cfg.resume:
         return
-    steps = _checkpoint_steps(cfg.ckpt_dir) if cfg.ckpt_dir else []
+    steps = Checkpointer.steps_in(cfg.ckpt_dir) if cfg.ckpt_dir else []
     metrics = pathlib.Path(cfg.metrics) if cfg.metrics else None
     records = _count_lines(metrics) if metrics and metrics.exists() else 0
     held = []
@@ -161,13 +161,6 @@ def claim(cfg: Any, log: Callable[[str], None], delete: bool = True) -> None:
     if records:
         metrics.unlink()
     log(f"--overwrite: deleted {' and '.join(held).replace(' holds ', ' ')}")
-
-
-def _checkpoint_steps(directory: str) -> list[int]:
-    d = pathlib.Path(directory)
-    if not d.is_dir():
-        return []
-    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
 
 
 def _count_lines(path: pathlib.Path) -> int:

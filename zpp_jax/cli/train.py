@@ -34,7 +34,7 @@ from zpp_jax.checkpoint import Checkpointer
 from zpp_jax.cli import runs
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.data import ByteDataset, host_to_global, load_text, stdlib_corpus
-from zpp_jax.errors import UsageError, check_positive_ints
+from zpp_jax.errors import UsageError, check_positive_finite, check_positive_ints
 from zpp_jax.mesh import make_mesh
 from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
 from zpp_jax.step_report import summarize
@@ -83,10 +83,8 @@ class RunConfig:
             raise UsageError("checkpointing and --resume need --ckpt-dir")
         if self.arch not in ARCHS:
             raise UsageError(f"unknown architecture {self.arch!r}; choose one of {ARCHS}")
-        if not 0 < self.clip < math.inf:
-            raise UsageError(f"--clip must be a positive finite gradient norm, got {self.clip}")
-        if not 0 < self.lr < math.inf:
-            raise UsageError(f"--lr must be a positive finite learning rate, got {self.lr}")
+        check_positive_finite("--clip", self.clip, "gradient norm")
+        check_positive_finite("--lr", self.lr, "learning rate")
         if not 0 <= self.weight_decay < math.inf:
             raise UsageError(f"weight_decay must be finite and >= 0, got {self.weight_decay}")
         if self.warmup < 0:
