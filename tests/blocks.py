@@ -15,13 +15,13 @@ def loss_fn(y):
     return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
 
-def _stack_loss(stack, x):
+def stack_loss(stack, x):
     h, _ = jax.lax.scan(lambda h, p: (block(p, h), None), x, stack)
     return loss_fn(h)
 
 
 def reference_loss_and_grads(stack, x):
-    return jax.jit(jax.value_and_grad(_stack_loss))(stack, x)
+    return jax.jit(jax.value_and_grad(stack_loss))(stack, x)
 
 
 @functools.cache
@@ -54,5 +54,5 @@ def per_device_flat_grads(flat, layout, n_dev, x):
     slice of `x`, at the flat weights `flat` (layers, N*s), unsharded."""
     stack = jax.vmap(layout.unflatten)(flat)
     xs = x.reshape(n_dev, -1, *x.shape[1:])
-    grads = jax.vmap(jax.grad(_stack_loss), in_axes=(None, 0))(stack, xs)
+    grads = jax.vmap(jax.grad(stack_loss), in_axes=(None, 0))(stack, xs)
     return jax.vmap(jax.vmap(layout.flatten))(grads)

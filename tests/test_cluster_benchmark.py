@@ -21,12 +21,46 @@ def _load(name):
     return module
 
 
-def test_rates():
+def test_rates_and_tc_commands():
+    shaping = _load("shaping.py")
+    assert shaping.rate_bits("10gbit") == 10e9
+    assert shaping.rate_bits("200mbit") == 200e6
+    assert shaping.rate_bits("unshaped") == float("inf")
+    for bad in ("fast", "xmbit"):
+        with pytest.raises(ValueError, match="200mbit"):
+            shaping.rate_bits(bad)
+    cmd = shaping.tc_command("veth0", "1gbit")
+    assert cmd[:7] == ["tc", "qdisc", "replace", "dev", "veth0", "root", "tbf"]
+    assert cmd[cmd.index("burst") + 1] == str(1_250_000)  # 10 ms at 1 Gbit/s
+    assert shaping.tc_command("veth0", "200mbit")[9:11] == ["burst", str(250_000)]
+    assert shaping.tc_command("veth0", "unshaped") == ["tc", "qdisc", "del", "dev", "veth0", "root"]
+
+
+def test_table_ratios_and_floors():
+    """ZeRO++'s ratios and each method's step over max(compute, link time),
+    compute being the method's step on the unshaped link."""
     run = _load("run.py")
-    assert run._rate_bits("10gbit") == 10e9
-    assert run._rate_bits("200mbit") == 200e6
-    with pytest.raises(ValueError, match="200mbit"):
-        run._rate_bits("fast")
+
+    def rec(method, rate, median, mb):
+        size = dict(model={"d_model": 768}, tokens_per_device=16)
+        link = dict(link_tx_bytes=mb * 1e6, link_rx_bytes=mb * 1e6)
+        return dict(method=method, rate=rate, median_s=median, **size, **link)
+
+    records = [
+        rec("zero3", "unshaped", 0.5, 200),
+        rec("zeropp", "unshaped", 0.4, 20),
+        rec("jit", "unshaped", 0.3, 25),
+        rec("zero3", "200mbit", 10.0, 200),  # link: 8 s
+        rec("zeropp", "200mbit", 1.2, 20),  # link: 0.8 s
+        rec("jit", "200mbit", 1.5, 25),  # link: 1.0 s
+    ]
+    rows = run.table(records).splitlines()
+    assert len(rows) == 4
+    cells = [c.strip() for c in rows[3].split("|")[1:-1]]
+    assert cells[:6] == ["768", "16", "200mbit", "10.000 s", "1.200 s", "1.500 s"]
+    assert cells[6:8] == ["8.33x", "1.25x"]
+    assert cells[8] == "200.0 / 20.0 / 25.0"
+    assert cells[9] == "1.25 / 1.50 / 1.50"
 
 
 def test_node_environment(monkeypatch):

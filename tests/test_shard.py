@@ -314,7 +314,11 @@ def _temp_bytes(mesh, config, layers, scan):
 
 @pytest.mark.parametrize(
     "config",
-    [EXACT, zpp.ZeroPPConfig(), zpp.ZeroPPConfig(hpz=False)],
+    [
+        EXACT.replace(remat="full"),
+        zpp.ZeroPPConfig(remat="full"),
+        zpp.ZeroPPConfig(hpz=False, remat="full"),
+    ],
     ids=["zero3", "zeropp", "qwz+qgz"],
 )
 def test_memory_per_unit_is_its_input_and_secondary_not_its_weights(mesh24, config):
@@ -323,7 +327,8 @@ def test_memory_per_unit_is_its_input_and_secondary_not_its_weights(mesh24, conf
     keeps for its backward pass: its input, and what it re-gathers from (the
     hpZ secondary: int8 with qwZ, 1/local of the unit; without hpZ a copy of
     its own 1/N block). In a list, whose unrolled layers the compiler
-    schedules, under half of a unit's full weights. Never the full weights."""
+    schedules, under half of a unit's full weights. Never the full weights.
+    (With remat="full"; tests/test_layer.py bounds every policy.)"""
     weights = (2 * D * HIDDEN + D + HIDDEN + 2 * D) * 4
     unit_input = ROWS // 8 * zoo.SEQ * D * 4
     if config.hpz:

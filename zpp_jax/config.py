@@ -66,13 +66,15 @@ class ZeroPPConfig:
       remat: what a unit keeps from its forward pass for its backward pass.
         Gathered weights are never kept: the backward pass gathers them again
         (with hpZ only inside the node), whatever the choice.
-        "dots": the outputs of the unit's matmuls are kept and its
+        "dots" (default): the outputs of the unit's matmuls are kept and its
         elementwise operations recomputed, so the backward pass runs no
         matmul of the forward pass again. "none": everything autodiff keeps
         (as plain `jax.jit` does), elementwise intermediates included, so
-        nothing is recomputed. "full" (default): only the unit's input is
-        kept and its whole forward pass is recomputed (one more forward pass,
-        the least activation memory). A `jax.checkpoint` policy (e.g.
+        nothing is recomputed, but every intermediate is written and read
+        back (more memory, and more memory traffic than recomputing the
+        cheap ones). "full": only the unit's input is kept and its
+        whole forward pass is recomputed (one more forward pass, the least
+        activation memory). A `jax.checkpoint` policy (e.g.
         ``jax.checkpoint_policies.save_only_these_names("attn")``): what the
         policy saves is kept, the rest recomputed. Changes memory and time,
         not the math.
@@ -90,7 +92,7 @@ class ZeroPPConfig:
     gradient_rounding: str = "stochastic"
     gradient_scale_dtype: str = "bfloat16"
     comm_dtype: str | None = None
-    remat: str | Callable[..., bool] = "full"
+    remat: str | Callable[..., bool] = "dots"
 
     def __post_init__(self) -> None:
         for name in ("quantize_weights", "hpz", "quantize_gradients", "error_feedback"):

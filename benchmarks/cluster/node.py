@@ -1,10 +1,13 @@
 """One node of the two-node benchmark (started by `run.py`, one per namespace).
 
 Times the GPT training step of each method on the (node, local) mesh with
-node = process and prints, on process 0, one JSON line per method:
-{"method", "median_s", "times_s", "link_tx_bytes", "link_rx_bytes", ...}. The
-link bytes are read from this namespace's veth counters around the timed
-steps, so they are what really crossed the shaped link, per step.
+node = process and prints, on process 0, one JSON line per method and rate:
+{"method", "rate", "median_s", "times_s", "link_tx_bytes", "link_rx_bytes",
+...}. Each method is compiled once; for each of `--rates` every node shapes
+its own end of the link (`shaping.shape`), the nodes meet at a barrier, and the
+step is warmed up and timed. The link bytes are read from this namespace's
+veth counters around the timed steps, so they are what really crossed the
+shaped link, per step.
 
 Methods:
 - `zero3`: this library with every technique off (bf16 gathers and bf16
@@ -42,7 +45,18 @@ def _parse(argv):
     p.add_argument("--steps", type=int, default=9, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--link", default=None, help="network interface to count bytes on")
+    p.add_argument(
+        "--rates",
+        nargs="+",
+        default=[None],
+        help="shape --link to each rate in turn (tc syntax, or 'unshaped'); default: leave it",
+    )
     p.add_argument("--tag", default="", help="copied into every output record")
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="NODESxLOCAL, e.g. 2x4 for one process with 8 devices (default: one node per process)",
+    )
     return p.parse_args(argv)
 
 
@@ -133,11 +147,19 @@ def main(argv=None) -> None:
 
     initialize()
     import jax
+    import shaping
+    from jax.experimental import multihost_utils
 
     from zpp_jax.data import ByteDataset, host_to_global, stdlib_corpus
     from zpp_jax.models.gpt import GPTConfig
 
-    mesh = node_mesh()
+    if args.mesh is None:
+        mesh = node_mesh()
+    else:
+        from zpp_jax import make_mesh
+
+        nodes, local = (int(n) for n in args.mesh.lower().split("x"))
+        mesh = make_mesh(nodes, local)
     model_cfg = GPTConfig(
         d_model=args.d_model,
         n_layers=args.layers,
@@ -161,35 +183,43 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         compiled = step.lower(state, batch(0)).compile()
         compile_s = time.perf_counter() - start
-        for i in range(args.warmup):
-            state, metrics = compiled(state, batch(i))
-            jax.block_until_ready(metrics)
-        times, losses = [], []
-        tx0, rx0 = _link_bytes(args.link)
-        for i in range(args.steps):
-            b = batch(args.warmup + i)
-            jax.block_until_ready(b)
-            start = time.perf_counter()
-            state, metrics = compiled(state, b)
-            loss = float(metrics["loss"])
-            times.append(time.perf_counter() - start)
-            losses.append(loss)
-        tx1, rx1 = _link_bytes(args.link)
-        record = dict(
-            method=method,
-            tag=args.tag,
-            median_s=statistics.median(times),
-            times_s=times,
-            losses=losses,
-            compile_s=compile_s,
-            link_tx_bytes=(tx1 - tx0) / args.steps,
-            link_rx_bytes=(rx1 - rx0) / args.steps,
-            params=size,
-            tokens_per_device=args.batch * args.seq // mesh.size,
-            model=dataclasses.asdict(model_cfg),
-        )
-        if lead:
-            print("RESULT " + json.dumps(record), flush=True)
+        i = 0
+        for rate in args.rates:
+            if rate is not None:
+                shaping.shape(args.link, rate)
+                multihost_utils.sync_global_devices(f"{method} {rate}")
+            for _ in range(args.warmup):
+                state, metrics = compiled(state, batch(i))
+                jax.block_until_ready(metrics)
+                i += 1
+            times, losses = [], []
+            tx0, rx0 = _link_bytes(args.link)
+            for _ in range(args.steps):
+                b = batch(i)
+                jax.block_until_ready(b)
+                start = time.perf_counter()
+                state, metrics = compiled(state, b)
+                loss = float(metrics["loss"])
+                times.append(time.perf_counter() - start)
+                losses.append(loss)
+                i += 1
+            tx1, rx1 = _link_bytes(args.link)
+            record = dict(
+                method=method,
+                rate=rate,
+                tag=args.tag,
+                median_s=statistics.median(times),
+                times_s=times,
+                losses=losses,
+                compile_s=compile_s,
+                link_tx_bytes=(tx1 - tx0) / args.steps,
+                link_rx_bytes=(rx1 - rx0) / args.steps,
+                params=size,
+                tokens_per_device=args.batch * args.seq // mesh.size,
+                model=dataclasses.asdict(model_cfg),
+            )
+            if lead:
+                print("RESULT " + json.dumps(record), flush=True)
         del state, compiled
     sys.stdout.flush()
 

@@ -2,14 +2,22 @@
 
     sudo python benchmarks/cluster/run.py                       # 1 Gbit/s
     sudo python benchmarks/cluster/run.py --rates 10gbit 1gbit 200mbit
+    sudo python benchmarks/cluster/run.py --sweep               # 3 models x 2 batches
+    python benchmarks/cluster/run.py --no-network               # one process, 2 x 4
 
 Builds two network namespaces (`zppbench0`, `zppbench1`) joined by a veth pair
 whose both ends are shaped with `tc ... tbf` to the rate, maps this machine's
 hostname to each namespace's own address in `/etc/netns/<ns>/hosts` (gloo
 binds to the hostname's address), and runs `node.py` in each namespace: two
 `jax.distributed` processes with 4 CPU devices each, a 2 x 4 (node, local)
-mesh. For every rate it prints the median step time of ZeRO-3, ZeRO++ and
-plain `jax.jit`, the bytes that crossed the link per step, and the ratios.
+mesh. Each node compiles each method once and, for every rate, shapes its own
+end of the link and times the step. It prints the median step time of
+ZeRO-3, ZeRO++ and plain `jax.jit`, the bytes that crossed the link per step,
+the ratios, and each method's distance from its physical floor: max(its step
+on the unshaped link, its link bytes / rate). `--sweep` does this for the
+README model and d_model 768 and 1024 (d_ff 4x) at 16 and 32 tokens per
+device, one table for all. `--no-network` times the three methods in one
+process on 8 devices (2 x 4 mesh, no link at all; no root needed).
 The nodes keep large malloc blocks between steps (`MALLOC_ENV`, every method
 alike; `--system-malloc` turns it off). Everything it created is removed on
 exit, also on failure or Ctrl-C. Needs root (network namespaces and tc).
@@ -34,6 +42,9 @@ LINKS = ("zppveth0", "zppveth1")
 ADDRESSES = ("10.213.7.1", "10.213.7.2")
 PORT = 47611
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import shaping  # noqa: E402
 
 
 def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -42,14 +53,6 @@ def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def _in_ns(ns: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return _sh("ip", "netns", "exec", ns, *cmd, check=check)
-
-
-def _rate_bits(rate: str) -> float:
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1}
-    for suffix, scale in units.items():
-        if rate.lower().endswith(suffix):
-            return float(rate[: -len(suffix)]) * scale
-    raise ValueError(f"rate {rate!r}: write it like 10gbit, 1gbit or 200mbit")
 
 
 def cleanup() -> None:
@@ -78,28 +81,6 @@ def setup() -> None:
         hosts = pathlib.Path(f"/etc/netns/{ns}/hosts")
         hosts.parent.mkdir(parents=True, exist_ok=True)
         hosts.write_text(f"127.0.0.1 localhost\n{addr} {host}\n")
-
-
-def shape(rate: str) -> None:
-    """tbf on both veth ends: `rate` each way, a burst of 10 ms worth of bytes."""
-    burst = max(int(_rate_bits(rate) / 8 / 100), 64 * 1024)
-    for ns, link in zip(NAMESPACES, LINKS, strict=True):
-        _in_ns(
-            ns,
-            "tc",
-            "qdisc",
-            "replace",
-            "dev",
-            link,
-            "root",
-            "tbf",
-            "rate",
-            rate,
-            "burst",
-            str(burst),
-            "latency",
-            "100ms",
-        )
 
 
 # XLA:CPU allocates each step's buffers with malloc, and with glibc's default
@@ -174,22 +155,68 @@ def run_nodes(node_args: list[str], timeout: float, system_malloc: bool = False)
                 p.wait()
 
 
-def table(results: dict[str, list[dict]]) -> str:
+METHODS = ("zero3", "zeropp", "jit")
+SWEEP_MODELS = (  # (d_model, d_ff, heads): the README model, then two it was not tuned on
+    (512, 2048, 8),
+    (768, 3072, 12),
+    (1024, 4096, 16),
+)
+SWEEP_TOKENS = (16, 32)  # per device: batch 8 x seq tokens over 8 devices
+SWEEP_RATES = ("10gbit", "1gbit", "200mbit")
+
+
+def run_local(node_args: list[str], timeout: float, system_malloc: bool = False) -> list[dict]:
+    """node.py in one process with 8 CPU devices on a 2 x 4 mesh: no link."""
+    env = node_env(0, system_malloc)
+    for key in ("ZPP_COORDINATOR_ADDRESS", "ZPP_NUM_PROCESSES", "ZPP_PROCESS_ID"):
+        env.pop(key)
+    env["ZPP_LOCAL_CPU_DEVICES"] = "8"
+    cmd = [sys.executable, str(HERE / "node.py"), "--mesh", "2x4", *node_args]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"node.py exited with {r.returncode}:\n{r.stderr[-3000:]}")
+    return [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def _link_s(rec: dict) -> float:
+    """Seconds the link needs per step for this record's bytes at its rate
+    (the busier direction)."""
+    bits = shaping.rate_bits(rec["rate"]) if rec.get("rate") else float("inf")
+    return max(rec["link_tx_bytes"], rec["link_rx_bytes"]) * 8 / bits
+
+
+def table(records: list[dict]) -> str:
+    """One row per (model, tokens per device, rate): the three methods'
+    median steps, ZeRO++'s ratios, the bytes each way, and each method's
+    step over its floor max(compute, link time), where compute is the
+    method's step on the unshaped link (when it was run)."""
     lines = [
-        "| link | method | median step | link bytes/step (each way) | ZeRO++ speedup |",
-        "|---|---|---|---|---|",
+        "| d_model | tokens/device | link | ZeRO-3 | ZeRO++ | plain jit | ZeRO++ vs ZeRO-3 "
+        "| ZeRO++ vs jit | MB/step each way (Z3 / Z++ / jit) | step / floor (Z3 / Z++ / jit) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for rate, recs in results.items():
-        by = {r["method"]: r for r in recs}
-        zpp = by.get("zeropp")
-        for r in recs:
-            speed = f"{r['median_s'] / zpp['median_s']:.2f}x" if zpp else ""
-            if r["method"] == "zeropp":
-                speed = "1.00x"
-            lines.append(
-                f"| {rate} | {r['method']} | {r['median_s']:.3f} s | "
-                f"{(r['link_tx_bytes'] + r['link_rx_bytes']) / 2 / 1e6:.1f} MB | {speed} |"
-            )
+    key = lambda r: (r["model"]["d_model"], r["tokens_per_device"])  # noqa: E731
+    compute = {(key(r), r["method"]): r["median_s"] for r in records if r.get("rate") == "unshaped"}
+    rows: dict = {}
+    for r in records:
+        rows.setdefault((key(r), r.get("rate")), {})[r["method"]] = r
+    for ((d, tokens), rate), by in rows.items():
+        if any(m not in by for m in METHODS):
+            continue
+        z3, zpp, jit = (by[m] for m in METHODS)
+        mb = " / ".join(
+            f"{max(r['link_tx_bytes'], r['link_rx_bytes']) / 1e6:.1f}" for r in (z3, zpp, jit)
+        )
+        floors = []
+        for m, r in zip(METHODS, (z3, zpp, jit), strict=True):
+            c = compute.get(((d, tokens), m))
+            floors.append(f"{r['median_s'] / max(c, _link_s(r)):.2f}" if c else "-")
+        lines.append(
+            f"| {d} | {tokens} | {rate or 'as found'} | {z3['median_s']:.3f} s | "
+            f"{zpp['median_s']:.3f} s | {jit['median_s']:.3f} s | "
+            f"{z3['median_s'] / zpp['median_s']:.2f}x | {jit['median_s'] / zpp['median_s']:.2f}x | "
+            f"{mb} | {' / '.join(floors)} |"
+        )
     return "\n".join(lines)
 
 
@@ -198,10 +225,21 @@ def main(argv=None) -> None:
     p.add_argument(
         "--rates",
         nargs="+",
-        default=["1gbit"],
-        help="link rates to run in turn (tc syntax: 10gbit, 1gbit, 200mbit)",
+        default=None,
+        help="link rates to run in turn (tc syntax: 10gbit, 1gbit, 200mbit; or unshaped); "
+        "default 1gbit, with --sweep unshaped 10gbit 1gbit 200mbit",
     )
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per rate")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="d_model 512, 768, 1024 (d_ff 4x) at 16 and 32 tokens per device",
+    )
+    p.add_argument(
+        "--no-network",
+        action="store_true",
+        help="one process, 8 devices on a 2 x 4 mesh, no link (no root needed)",
+    )
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per node run")
     p.add_argument("--json", default=None, help="also write all records to this file")
     p.add_argument(
         "--system-malloc",
@@ -209,12 +247,43 @@ def main(argv=None) -> None:
         help="keep glibc's default mmap and trim thresholds in the nodes (see MALLOC_ENV)",
     )
     args, node_args = p.parse_known_args(argv)
-    for rate in args.rates:
-        _rate_bits(rate)
+    rates = args.rates or (["unshaped", *SWEEP_RATES] if args.sweep else ["1gbit"])
+    for rate in rates:
+        shaping.rate_bits(rate)
+    runs = [node_args]
+    if args.sweep:
+        runs = [
+            [
+                *node_args,
+                *("--d-model", str(d), "--d-ff", str(ff), "--heads", str(h)),
+                *("--seq", str(tokens), "--batch", "8"),
+            ]
+            for d, ff, h in SWEEP_MODELS
+            for tokens in SWEEP_TOKENS
+        ]
+    records: list[dict] = []
+
+    def report(recs):
+        for r in recs:
+            print(
+                f"  d_model {r['model']['d_model']} tokens/device {r['tokens_per_device']} "
+                f"{r.get('rate') or 'no network'}: {r['method']:7s} median {r['median_s']:.3f} s "
+                f"times {[round(t, 3) for t in r['times_s']]} link "
+                f"{r['link_tx_bytes'] / 1e6:.1f}/{r['link_rx_bytes'] / 1e6:.1f} MB tx/rx "
+                f"compile {r['compile_s']:.0f} s",
+                flush=True,
+            )
+        records.extend(recs)
+
+    if args.no_network:
+        for run_args in runs:
+            report(run_local(run_args, args.timeout, args.system_malloc))
+        _finish(records, args.json)
+        return
     if os.geteuid() != 0:
         sys.exit(
             "benchmarks/cluster/run.py needs root (it creates network namespaces and "
-            "shapes them with tc): run it with sudo"
+            "shapes them with tc): run it with sudo, or pass --no-network"
         )
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
@@ -224,30 +293,22 @@ def main(argv=None) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupted)
-    results = {}
     try:
         setup()
-        for rate in args.rates:
-            shape(rate)
-            print(f"== {rate}", flush=True)
-            recs = run_nodes([*node_args, "--tag", rate], args.timeout, args.system_malloc)
-            for r in recs:
-                print(
-                    f"  {r['method']:7s} median {r['median_s']:.3f} s  "
-                    f"times {[round(t, 3) for t in r['times_s']]}  link "
-                    f"{r['link_tx_bytes'] / 1e6:.1f}/{r['link_rx_bytes'] / 1e6:.1f} MB tx/rx "
-                    f"compile {r['compile_s']:.0f} s",
-                    flush=True,
-                )
-            results[rate] = recs
+        for run_args in runs:
+            report(run_nodes([*run_args, "--rates", *rates], args.timeout, args.system_malloc))
     except KeyboardInterrupt:
         print("interrupted; cleaning up", file=sys.stderr)
     finally:
         cleanup()
-    if results:
-        print(table(results))
-        if args.json:
-            pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+    _finish(records, args.json)
+
+
+def _finish(records: list[dict], path: str | None) -> None:
+    if records:
+        print(table(records))
+        if path:
+            pathlib.Path(path).write_text(json.dumps(records, indent=1))
 
 
 if __name__ == "__main__":
