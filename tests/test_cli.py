@@ -49,6 +49,10 @@ def test_technique_flags():
         assert _config("--zero3", command=command) == ZeroPPConfig.zero3()
     assert ZeroPPConfig.zero3().comm_dtype == "bfloat16"
     assert _config("--zero3", "--comm-dtype", "float32") == ZeroPPConfig.zero3(comm_dtype="float32")
+    # The recomputation policy goes with either method.
+    assert _config().remat == "dots"
+    assert _config("--remat", "full", command="train").remat == "full"
+    assert _config("--zero3", "--remat", "none") == ZeroPPConfig.zero3(remat="none")
 
 
 @pytest.mark.parametrize(

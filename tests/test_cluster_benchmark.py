@@ -31,8 +31,9 @@ def test_rates_and_tc_commands():
             shaping.rate_bits(bad)
     cmd = shaping.tc_command("veth0", "1gbit")
     assert cmd[:7] == ["tc", "qdisc", "replace", "dev", "veth0", "root", "tbf"]
-    assert cmd[cmd.index("burst") + 1] == str(1_250_000)  # 10 ms at 1 Gbit/s
-    assert shaping.tc_command("veth0", "200mbit")[9:11] == ["burst", str(250_000)]
+    assert cmd[7:11] == ["rate", "1gbit", "burst", str(125_000)]  # 1 ms at 1 Gbit/s
+    assert shaping.tc_command("veth0", "1gbit", burst_ms=10)[10] == str(1_250_000)
+    assert shaping.tc_command("veth0", "10mbit")[10] == str(16 * 1024)  # the floor
     assert shaping.tc_command("veth0", "unshaped") == ["tc", "qdisc", "del", "dev", "veth0", "root"]
 
 

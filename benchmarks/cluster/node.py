@@ -53,6 +53,12 @@ def _parse(argv):
     )
     p.add_argument("--tag", default="", help="copied into every output record")
     p.add_argument(
+        "--burst-ms",
+        type=float,
+        default=1.0,
+        help="tbf bucket of the shaped link, in milliseconds of its rate (see shaping.py)",
+    )
+    p.add_argument(
         "--mesh",
         default=None,
         help="NODESxLOCAL, e.g. 2x4 for one process with 8 devices (default: one node per process)",
@@ -184,11 +190,13 @@ def main(argv=None) -> None:
         compiled = step.lower(state, batch(0)).compile()
         compile_s = time.perf_counter() - start
         i = 0
-        for rate in args.rates:
+        for k, rate in enumerate(args.rates):
             if rate is not None:
-                shaping.shape(args.link, rate)
+                shaping.shape(args.link, rate, args.burst_ms)
                 multihost_utils.sync_global_devices(f"{method} {rate}")
-            for _ in range(args.warmup):
+            # The first steps after compiling also grow the heap and fault
+            # pages in: two more warm-up steps before the first rate.
+            for _ in range(args.warmup + (2 if k == 0 else 0)):
                 state, metrics = compiled(state, batch(i))
                 jax.block_until_ready(metrics)
                 i += 1

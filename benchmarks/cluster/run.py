@@ -212,7 +212,7 @@ def table(records: list[dict]) -> str:
             c = compute.get(((d, tokens), m))
             floors.append(f"{r['median_s'] / max(c, _link_s(r)):.2f}" if c else "-")
         lines.append(
-            f"| {d} | {tokens} | {rate or 'as found'} | {z3['median_s']:.3f} s | "
+            f"| {d} | {tokens} | {rate or 'no network'} | {z3['median_s']:.3f} s | "
             f"{zpp['median_s']:.3f} s | {jit['median_s']:.3f} s | "
             f"{z3['median_s'] / zpp['median_s']:.2f}x | {jit['median_s'] / zpp['median_s']:.2f}x | "
             f"{mb} | {' / '.join(floors)} |"
@@ -227,7 +227,7 @@ def main(argv=None) -> None:
         nargs="+",
         default=None,
         help="link rates to run in turn (tc syntax: 10gbit, 1gbit, 200mbit; or unshaped); "
-        "default 1gbit, with --sweep unshaped 10gbit 1gbit 200mbit",
+        "default 1gbit, with --sweep 10gbit 1gbit 200mbit unshaped",
     )
     p.add_argument(
         "--sweep",
@@ -247,7 +247,7 @@ def main(argv=None) -> None:
         help="keep glibc's default mmap and trim thresholds in the nodes (see MALLOC_ENV)",
     )
     args, node_args = p.parse_known_args(argv)
-    rates = args.rates or (["unshaped", *SWEEP_RATES] if args.sweep else ["1gbit"])
+    rates = args.rates or ([*SWEEP_RATES, "unshaped"] if args.sweep else ["1gbit"])
     for rate in rates:
         shaping.rate_bits(rate)
     runs = [node_args]

@@ -22,26 +22,34 @@ def rate_bits(rate: str) -> float:
     raise ValueError(f"rate {rate!r}: write it like 10gbit, 1gbit, 200mbit or {UNSHAPED}")
 
 
-def tc_command(link: str, rate: str) -> list[str]:
-    """The command that sets `link`'s egress to `rate`: a tbf with a burst of
-    10 ms worth of bytes (at least 64 KiB), or no qdisc for `UNSHAPED`."""
+def tc_command(link: str, rate: str, burst_ms: float = 1.0) -> list[str]:
+    """The command that sets `link`'s egress to `rate`: a tbf whose bucket
+    holds `burst_ms` worth of bytes (at least 16 KiB), or no qdisc for
+    `UNSHAPED`.
+
+    The bucket is how much a sender may push at the veth's own speed after
+    the link was idle. A real link of that rate has none: every byte takes
+    1/rate. A large bucket lets a program that sends in small pieces between
+    computations (as activation collectives do) hide its link time in the
+    refills, which a real link would not allow.
+    """
     if rate == UNSHAPED:
         return ["tc", "qdisc", "del", "dev", link, "root"]
-    burst = max(int(rate_bits(rate) / 8 / 100), 64 * 1024)
+    burst = max(int(rate_bits(rate) / 8 * burst_ms / 1000), 16 * 1024)
     return [
         "tc", "qdisc", "replace", "dev", link, "root", "tbf",
         "rate", rate, "burst", str(burst), "latency", "100ms",
     ]  # fmt: skip
 
 
-def shape(link: str, rate: str, netns: str | None = None) -> None:
-    """Apply `tc_command` (inside network namespace `netns` if given). Removing
-    a qdisc that is not there is not an error."""
-    cmd = tc_command(link, rate)
-    if netns is not None:
-        cmd = ["ip", "netns", "exec", netns, *cmd]
+def shape(link: str, rate: str, burst_ms: float = 1.0) -> None:
+    """Apply `tc_command`. Removing a qdisc that is not there is not an error."""
+    cmd = tc_command(link, rate, burst_ms)
     result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0 and not (rate == UNSHAPED and "No such file" in result.stderr):
-        if rate == UNSHAPED and "Cannot delete qdisc with handle of zero" in result.stderr:
-            return
-        raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()}")
+    if result.returncode == 0 or (rate == UNSHAPED and _NO_QDISC in result.stderr):
+        return
+    raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()}")
+
+
+# What `tc qdisc del` says when the link has no qdisc of its own.
+_NO_QDISC = "Cannot delete qdisc with handle of zero"

@@ -55,6 +55,14 @@ def _add_technique_flags(p: argparse.ArgumentParser) -> None:
         choices=("bfloat16", "float32", "float16"),
         help="wire dtype of the unquantized collectives (default bfloat16)",
     )
+    p.add_argument(
+        "--remat",
+        choices=("dots", "none", "full"),
+        default="dots",
+        help="what a unit keeps for its backward pass (ZeroPPConfig.remat): its matmul outputs "
+        "(dots, default), every activation (none) or only its input (full: one more forward "
+        "pass); never its gathered weights",
+    )
 
 
 # flag -> (ZeroPPConfig field, value the flag sets)
@@ -87,12 +95,12 @@ def _config_from_args(args):
                 f"drop {it}, or drop --zero3 and switch techniques off one by one "
                 "(--no-qwz, --no-hpz, --no-qgz)"
             )
-        return ZeroPPConfig.zero3(comm_dtype=args.comm_dtype)
+        return ZeroPPConfig.zero3(comm_dtype=args.comm_dtype, remat=args.remat)
     fields = {}
     for dest, value in given.items():
         field, sets = _TECHNIQUE_FLAGS[dest]
         fields[field] = value if sets is None else sets
-    return ZeroPPConfig(comm_dtype=args.comm_dtype, **fields)
+    return ZeroPPConfig(comm_dtype=args.comm_dtype, remat=args.remat, **fields)
 
 
 def _use_emulated_devices(count: int) -> None:
