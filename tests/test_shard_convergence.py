@@ -1,4 +1,4 @@
-"""ZeRO++ against ZeRO-3 over 100 steps on the models of tests/zoo.py
+"""ZeRO++ against ZeRO-3 over 60 steps on the models of tests/zoo.py
 (long: in a file of their own, so the test workers share them out)."""
 
 import jax
@@ -13,11 +13,14 @@ import zpp_jax as zpp
 
 # The bound on ZeRO++'s end loss over ZeRO-3's. Measured with the defaults
 # (int8 weights, hpZ, int4 gradients in 32-blocks with bf16 scales, rounded
-# stochastically): the Llama-style decoders end 1.1% and 1.3% above ZeRO-3,
-# the MLP 1.2%, every other model within 1%. With 64-blocks and fp32 scales
-# (the same bytes) the decoders ended 2.7-2.8% above, and rounded to
-# nearest 9-10% (the ViT too).
+# stochastically), after 60 steps: the Llama-style decoders end 1.3% and
+# 1.5% above ZeRO-3, the model of different widths 1.4%, the ViT 1.0%
+# below, every other model within 0.9%. (After 100 steps: 1.1-1.3% for the
+# decoders and the MLP. With 64-blocks and fp32 scales, the same bytes, the
+# decoders ended 2.7-2.8% above, and rounded to nearest 9-10%.) The runs are
+# bit-reproducible, so the bound does not have to absorb run-to-run noise.
 GAP = 0.02
+STEPS = 60
 
 
 def _train(family, model, steps, mesh):
@@ -47,11 +50,11 @@ def _train(family, model, steps, mesh):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", nnx_test.FAMILIES)
 def test_nnx_zeropp_trains_like_zero3(name, mesh24):
-    """100 steps on a learnable task: ZeRO++ (int8 weights, hpZ, int4
+    """STEPS steps on a learnable task: ZeRO++ (int8 weights, hpZ, int4
     gradients) ends within GAP of ZeRO-3's loss (means of the last 10)."""
     family = nnx_test.FAMILIES[name]
-    z3 = _train(family, zpp.shard(family.make(0), mesh24, EXACT), 100, mesh24)
-    zpp_losses = _train(family, zpp.shard(family.make(0), mesh24, FULL), 100, mesh24)
+    z3 = _train(family, zpp.shard(family.make(0), mesh24, EXACT), STEPS, mesh24)
+    zpp_losses = _train(family, zpp.shard(family.make(0), mesh24, FULL), STEPS, mesh24)
     first, end3, endpp = np.mean(z3[:10]), np.mean(z3[-10:]), np.mean(zpp_losses[-10:])
     gap = (endpp - end3) / end3
     print(f"{name}: loss {first:.4f} -> ZeRO-3 {end3:.4f}, ZeRO++ {endpp:.4f}, gap {gap:+.2%}")
@@ -62,14 +65,14 @@ def test_nnx_zeropp_trains_like_zero3(name, mesh24):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", linen_test.FAMILIES)
 def test_linen_zeropp_trains_like_zero3(name, mesh24):
-    """100 steps, dropout on: ZeRO++ (int8 weights, hpZ, int4 gradients)
+    """STEPS steps, dropout on: ZeRO++ (int8 weights, hpZ, int4 gradients)
     ends within GAP of ZeRO-3's loss (means of the last 10)."""
     family = linen_test.FAMILIES[name]
     module, variables = family.make(0)
     ends = {}
     for label, config in (("ZeRO-3", EXACT), ("ZeRO++", FULL)):
         model, sharded = zpp.shard_linen(module, variables, mesh24, config)
-        losses, _ = linen_test.train(family, module, sharded, 100, mesh24, model.apply)
+        losses, _ = linen_test.train(family, module, sharded, STEPS, mesh24, model.apply)
         ends[label] = (np.mean(losses[:10]), np.mean(losses[-10:]))
     first, end3 = ends["ZeRO-3"]
     endpp = ends["ZeRO++"][1]
