@@ -75,6 +75,9 @@ def test_node_environment(monkeypatch):
     assert env["MALLOC_TOP_PAD_"] == "12345"  # the caller's own setting wins
     monkeypatch.delenv("MALLOC_TOP_PAD_")
     assert not any(k.startswith("MALLOC_") for k in run.node_env(0, system_malloc=True))
+    alone = run.node_env(0, processes=1)  # --no-network: one process, all 8 devices
+    assert alone["ZPP_LOCAL_CPU_DEVICES"] == "8"
+    assert not any(k in alone for k in ("ZPP_COORDINATOR_ADDRESS", "ZPP_NUM_PROCESSES"))
 
 
 @pytest.mark.slow
@@ -108,7 +111,7 @@ def test_every_method_runs_a_step():
         timeout=300,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    recs = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    recs = _load("run.py").parse_records(r.stdout)
     assert [x["method"] for x in recs] == ["zero3", "zeropp", "jit"]
     # The same model and batch for every method (how close their losses are
     # is the benchmark's to report, not a test's to assert).

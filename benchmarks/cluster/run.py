@@ -97,22 +97,28 @@ MALLOC_ENV = {
 }
 
 
-def node_env(process_id: int, system_malloc: bool = False) -> dict[str, str]:
-    """The environment of node `process_id`: this one without XLA_/JAX_
-    settings (each node sets its own devices), the coordinator of the two
-    processes, and MALLOC_ENV unless `system_malloc` (a MALLOC_ variable set
-    by the caller wins)."""
+def node_env(process_id: int, system_malloc: bool = False, processes: int = 2) -> dict[str, str]:
+    """The environment of node `process_id` of `processes`: this one without
+    XLA_/JAX_ settings (each node sets its own devices), the coordinator of
+    the processes (none for one), 8 // processes CPU devices each, and
+    MALLOC_ENV unless `system_malloc` (a MALLOC_ variable set by the caller
+    wins)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
     if not system_malloc:
         env = {**MALLOC_ENV, **env}
-    return dict(
-        env,
-        ZPP_COORDINATOR_ADDRESS=f"{ADDRESSES[0]}:{PORT}",
-        ZPP_NUM_PROCESSES="2",
-        ZPP_PROCESS_ID=str(process_id),
-        ZPP_LOCAL_CPU_DEVICES="4",
-        TF_CPP_MIN_LOG_LEVEL="2",
-    )
+    env.update(ZPP_LOCAL_CPU_DEVICES=str(8 // processes), TF_CPP_MIN_LOG_LEVEL="2")
+    if processes > 1:
+        env.update(
+            ZPP_COORDINATOR_ADDRESS=f"{ADDRESSES[0]}:{PORT}",
+            ZPP_NUM_PROCESSES=str(processes),
+            ZPP_PROCESS_ID=str(process_id),
+        )
+    return env
+
+
+def parse_records(stdout: str) -> list[dict]:
+    """The records node.py printed (its ``RESULT {json}`` lines)."""
+    return [json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")]
 
 
 def run_nodes(node_args: list[str], timeout: float, system_malloc: bool = False) -> list[dict]:
@@ -147,7 +153,7 @@ def run_nodes(node_args: list[str], timeout: float, system_malloc: bool = False)
             if p.returncode != 0:
                 raise RuntimeError(f"a node exited with {p.returncode}:\n{err[-3000:]}")
             outs.append(out)
-        return [json.loads(line[7:]) for line in outs[0].splitlines() if line.startswith("RESULT ")]
+        return parse_records(outs[0])
     finally:
         for p in procs:
             if p.poll() is None:
@@ -167,15 +173,12 @@ SWEEP_RATES = ("10gbit", "1gbit", "200mbit")
 
 def run_local(node_args: list[str], timeout: float, system_malloc: bool = False) -> list[dict]:
     """node.py in one process with 8 CPU devices on a 2 x 4 mesh: no link."""
-    env = node_env(0, system_malloc)
-    for key in ("ZPP_COORDINATOR_ADDRESS", "ZPP_NUM_PROCESSES", "ZPP_PROCESS_ID"):
-        env.pop(key)
-    env["ZPP_LOCAL_CPU_DEVICES"] = "8"
+    env = node_env(0, system_malloc, processes=1)
     cmd = [sys.executable, str(HERE / "node.py"), "--mesh", "2x4", *node_args]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"node.py exited with {r.returncode}:\n{r.stderr[-3000:]}")
-    return [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    return parse_records(r.stdout)
 
 
 def _link_s(rec: dict) -> float:
@@ -261,7 +264,7 @@ def main(argv=None) -> None:
             for d, ff, h in SWEEP_MODELS
             for tokens in SWEEP_TOKENS
         ]
-    records: list[dict] = []
+    collected: list[dict] = []
 
     def report(recs):
         for r in recs:
@@ -273,12 +276,12 @@ def main(argv=None) -> None:
                 f"compile {r['compile_s']:.0f} s",
                 flush=True,
             )
-        records.extend(recs)
+        collected.extend(recs)
 
     if args.no_network:
         for run_args in runs:
             report(run_local(run_args, args.timeout, args.system_malloc))
-        _finish(records, args.json)
+        _finish(collected, args.json)
         return
     if os.geteuid() != 0:
         sys.exit(
@@ -301,7 +304,7 @@ def main(argv=None) -> None:
         print("interrupted; cleaning up", file=sys.stderr)
     finally:
         cleanup()
-    _finish(records, args.json)
+    _finish(collected, args.json)
 
 
 def _finish(records: list[dict], path: str | None) -> None:

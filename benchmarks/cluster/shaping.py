@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 
 UNSHAPED = "unshaped"
+# What `tc qdisc del` says when the link has no qdisc of its own.
+_NO_QDISC = "Cannot delete qdisc with handle of zero"
 
 
 def rate_bits(rate: str) -> float:
@@ -49,7 +51,3 @@ def shape(link: str, rate: str, burst_ms: float = 1.0) -> None:
     if result.returncode == 0 or (rate == UNSHAPED and _NO_QDISC in result.stderr):
         return
     raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()}")
-
-
-# What `tc qdisc del` says when the link has no qdisc of its own.
-_NO_QDISC = "Cannot delete qdisc with handle of zero"

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 
+from zpp_jax import config as _config
 from zpp_jax.errors import UsageError
 
 
@@ -27,8 +28,12 @@ def _add_technique_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-qgz", action="store_true", default=None, help="plain reduce-scatter of gradients"
     )
-    g.add_argument("--weight-bits", type=int, choices=(4, 8), help="default 8")
-    g.add_argument("--gradient-bits", type=int, choices=(4, 8), help="default 4")
+    g.add_argument(
+        "--weight-bits", type=int, choices=_config._SUPPORTED_WEIGHT_BITS, help="default 8"
+    )
+    g.add_argument(
+        "--gradient-bits", type=int, choices=_config._SUPPORTED_GRADIENT_BITS, help="default 4"
+    )
     g.add_argument(
         "--error-feedback",
         action="store_true",
@@ -41,12 +46,12 @@ def _add_technique_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--gradient-scale-dtype",
-        choices=("bfloat16", "float32"),
+        choices=_config._SUPPORTED_SCALE_DTYPES,
         help="dtype gradient scales travel in (default bfloat16)",
     )
     g.add_argument(
         "--gradient-rounding",
-        choices=("stochastic", "nearest"),
+        choices=_config._SUPPORTED_ROUNDINGS,
         help="rounding of gradient codes (default stochastic: unbiased)",
     )
     g.add_argument(
@@ -57,8 +62,8 @@ def _add_technique_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--remat",
-        choices=("dots", "none", "full"),
-        default="dots",
+        choices=_config._SUPPORTED_REMATS,
+        default=_config.ZeroPPConfig.remat,
         help="what a unit keeps for its backward pass (ZeroPPConfig.remat): its matmul outputs "
         "(dots, default), every activation (none) or only its input (full: one more forward "
         "pass); never its gathered weights",
