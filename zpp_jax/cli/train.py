@@ -202,7 +202,13 @@ def loop(job: Job) -> Iterator[dict]:
     """Train from `job.position` to `cfg.steps`; yields each step's record
     (`step`, `loss`, `grad_norm`, `skipped`, `tokens_per_s`,
     `cross_node_bytes`, and `val_loss` where evaluated). Checkpoints are
-    numbered by data position, which every step advances."""
+    numbered by data position, which every step advances.
+
+    A step's record is yielded before its checkpoint is saved, so a consumer
+    that writes it has it on disk first. A run killed between the two leaves
+    a record past the newest checkpoint, which resume cuts
+    (`runs.cut_metrics`); the other order could leave a checkpoint whose
+    step was never recorded, and a resumed run would skip that step."""
     cfg = job.cfg
     tokens_per_step = cfg.batch * job.model_cfg.seq_len
     while job.position < cfg.steps:
@@ -222,11 +228,11 @@ def loop(job: Job) -> Iterator[dict]:
         last = job.position == cfg.steps
         if (cfg.eval_every and job.position % cfg.eval_every == 0) or last:
             record["val_loss"] = evaluate(job)
+        yield record
         if job.checkpointer and ((cfg.ckpt_every and job.position % cfg.ckpt_every == 0) or last):
             job.checkpointer.save(
                 job.position, job.state, data_position=job.position, identity=job.identity
             )
-        yield record
 
 
 def evaluate(job: Job) -> float:
