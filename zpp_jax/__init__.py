@@ -14,7 +14,7 @@ from zpp_jax.data import ByteDataset, host_to_global, load_text, stdlib_corpus
 from zpp_jax.distributed import DistributedConfig, initialize, node_mesh
 from zpp_jax.errors import UsageError
 from zpp_jax.layer import ShardedLayer, scan_layers, stack_value_and_grad
-from zpp_jax.mesh import AXES, LOCAL, NODE, make_mesh, mesh_shape
+from zpp_jax.mesh import AXES, LOCAL, NODE, STAGE, make_mesh, make_pipeline_mesh, mesh_shape
 from zpp_jax.partition import FlatLayout, ParamLayout, shard_params, shard_spec, unshard_params
 from zpp_jax.shard import (
     FeedbackResidual,
@@ -36,6 +36,7 @@ __all__ = [
     "AXES",
     "LOCAL",
     "NODE",
+    "STAGE",
     "ByteDataset",
     "Checkpointer",
     "DistributedConfig",
@@ -58,6 +59,7 @@ __all__ = [
     "initialize",
     "load_text",
     "make_mesh",
+    "make_pipeline_mesh",
     "mesh_shape",
     "next_token_loss",
     "node_mesh",

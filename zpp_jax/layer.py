@@ -83,6 +83,7 @@ class ShardedLayer:
         self.compute_dtype = compute_dtype
         self.reduction = reduction
         self._apply = _build(self)
+        self._held = _build_held(self)
 
     def __call__(self, shard: jax.Array, x: Any, residual: jax.Array | None = None) -> Any:
         if shard.shape != (self.layout.shard_size,):
@@ -100,6 +101,27 @@ class ShardedLayer:
                 f"{self.config.residual_dtype}; create it with ShardedLayer.init_residuals"
             )
         return self._apply(shard, residual, x)
+
+    def held(self, shard: jax.Array, residual: jax.Array | None = None) -> PyTree:
+        """The layer's full parameters, gathered once, for a caller that uses
+        them several times (a pipeline stage runs its layers in every
+        pipeline step).
+
+        Guarantees: the forward pass gathers the weight once, as `__call__`
+        does (qwZ codes over the wire; with hpZ hierarchically), and nothing
+        else; the backward pass gathers nothing and reduces the sum of the
+        cotangents of every use once (qgZ or reduce-scatter, `reduction` as
+        in `__call__`), with error feedback returning the new residual as the
+        cotangent of `residual`.
+
+        Costs: autodiff keeps the gathered weight (in `compute_dtype`) from
+        the forward to the backward pass: what ZeRO saves on weights is given
+        up for the span of one training step, in exchange for one gather per
+        step instead of one per use.
+        """
+        if self.config.error_feedback and residual is None:
+            raise UsageError("config.error_feedback is on: pass the layer's residual")
+        return self._held(shard, residual)
 
     def residual_size(self, nodes: int, local: int) -> int:
         """Elements of this layer's error-feedback residual per device."""
@@ -419,6 +441,21 @@ def _build(layer: ShardedLayer):
 
     apply.defvjp(fwd, bwd)
     return apply
+
+
+def _build_held(layer: ShardedLayer):
+    @jax.custom_vjp
+    def held(shard, residual):
+        return layer._gather_forward(shard)[0]
+
+    def fwd(shard, residual):
+        return layer._gather_forward(shard)[0], residual
+
+    def bwd(residual, g):
+        return layer._reduce(g, residual)
+
+    held.defvjp(fwd, bwd)
+    return held
 
 
 def scan_layers(

@@ -1,4 +1,5 @@
-"""The two-level device mesh: `node` (hosts, slow links) x `local` (devices of one host)."""
+"""The two-level device mesh: `node` (hosts, slow links) x `local` (devices
+of one host); with a token pipeline, a `stage` axis in front."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from zpp_jax.errors import UsageError
 NODE = "node"
 LOCAL = "local"
 AXES = (NODE, LOCAL)
+STAGE = "stage"
 
 
 def make_mesh(
@@ -69,6 +71,41 @@ def make_mesh(
                     f"{nprocs} processes use nodes={nprocs} (node = process)"
                 )
     return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def make_pipeline_mesh(
+    stages: int, nodes: int, local: int, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """The (`stage`, `node`, `local`) mesh of a token pipeline whose stages
+    each span `nodes` x `local` devices.
+
+    Devices are ordered by process, then id: with several processes, stage s
+    holds processes [s * nodes, (s + 1) * nodes), one per node, so that the
+    pipeline's activation transfers go between processes and a stage's ZeRO
+    collectives stay among its own.
+
+    Raises:
+      ValueError: sizes that are not positive, a product that is not the
+        number of devices, or a `local` axis that would cross processes.
+    """
+    for name, value in (("stages", stages), ("nodes", nodes), ("local", local)):
+        _check_positive(name, value)
+    devices = list(jax.devices() if devices is None else devices)
+    if stages * nodes * local != len(devices):
+        raise UsageError(
+            f"pipeline mesh stages x nodes x local = {stages} x {nodes} x {local} = "
+            f"{stages * nodes * local} does not match the {len(devices)} devices available; "
+            f"choose sizes whose product is {len(devices)}"
+        )
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    grid = np.array(ordered, dtype=object).reshape(stages, nodes, local)
+    if any(len({d.process_index for d in row}) != 1 for row in grid.reshape(-1, local)):
+        nprocs = len({d.process_index for d in devices})
+        raise UsageError(
+            f"the local axis of size {local} would span several processes; with {nprocs} "
+            f"processes use stages x nodes = {nprocs} (node = process)"
+        )
+    return Mesh(grid, (STAGE, *AXES), axis_types=(AxisType.Auto,) * 3)
 
 
 def _check_positive(name: str, value: int | None) -> None:

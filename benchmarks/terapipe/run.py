@@ -142,7 +142,7 @@ def _run_pipeline(args, slicings) -> list[dict]:
 
 
 def _runs(s):
-    from zpp_jax.cli.plan import runs as _runs
+    from zpp_jax.cli.plan import folded as _runs
 
     return _runs(s)
 

@@ -148,16 +148,25 @@ def _join_job(args) -> None:
     Otherwise emulate nodes x local CPU devices in this process."""
     from zpp_jax.distributed import DistributedConfig, initialize
 
+    stages = getattr(args, "stages", 1)
     dist = DistributedConfig.from_env()
     if not dist.is_multi_process:
         args.nodes = 2 if args.nodes is None else args.nodes
         args.local = 4 if args.local is None else args.local
-        _use_emulated_devices(args.nodes * args.local)
+        _use_emulated_devices(max(stages, 1) * args.nodes * args.local)
         return
     initialize(dist, on_lost_peer=functools.partial(_lost_peer, args.command))
     import jax
 
     nodes, local = jax.process_count(), jax.local_device_count()
+    if stages > 1:
+        # The stages take the processes in turn: nodes per stage.
+        if nodes % stages:
+            raise UsageError(
+                f"--stages {stages} does not divide the job's {nodes} processes; each stage "
+                "needs whole processes (nodes)"
+            )
+        nodes //= stages
     for name, want, have in (("nodes", args.nodes, nodes), ("local", args.local, local)):
         if want is not None and want != have:
             raise UsageError(
@@ -201,6 +210,10 @@ def _train(args) -> int:
             resume=args.resume,
             overwrite=args.overwrite,
             progress=not args.quiet,
+            stages=args.stages,
+            slices=args.slices,
+            stage_zero=not args.no_stage_zero,
+            cost=args.cost,
         )
     )
     return 0
@@ -331,6 +344,31 @@ def build_parser() -> argparse.ArgumentParser:
         "and start a new one (without it, a run never reuses them)",
     )
     train.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+    pipe = train.add_argument_group("token pipeline (TeraPipe)")
+    pipe.add_argument(
+        "--stages",
+        type=int,
+        default=1,
+        help="pipeline stages, each of --nodes x --local devices (default 1: no pipeline); "
+        "under zpp launch, stages x nodes = processes",
+    )
+    pipe.add_argument(
+        "--slices",
+        default="auto",
+        help="token slices of a sequence: auto (planned, see --cost), a count of equal "
+        "slices, or the lengths l1,l2,... (default auto)",
+    )
+    pipe.add_argument(
+        "--cost",
+        default=None,
+        help="cost model JSON (zpp profile) for --slices auto (default: the analytic model)",
+    )
+    pipe.add_argument(
+        "--no-stage-zero",
+        action="store_true",
+        help="replicate each stage's layers over its devices instead of sharding them "
+        "with the ZeRO flags",
+    )
     _add_technique_flags(train)
     train.set_defaults(func=_train)
 

@@ -45,7 +45,7 @@ def run_plan(args) -> int:
         speedup = whole / p.latency if p.latency > 0 else float("inf")
         print(
             f"{name:13s} {p.latency * 1e3:12.3f} ms  {speedup:6.2f}x vs no slicing  "
-            f"{len(p.slices)} slices: {runs(p.slices)}"
+            f"{len(p.slices)} slices: {folded(p.slices)}"
         )
     print(f"{'no slicing':13s} {whole * 1e3:12.3f} ms")
     return 0
@@ -79,7 +79,7 @@ def run_profile(args) -> int:
     return 0
 
 
-def runs(slices) -> str:
+def folded(slices) -> str:
     """Slice lengths with repeats folded: 16x8, 4x16."""
     out, i = [], 0
     while i < len(slices):

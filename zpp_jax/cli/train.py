@@ -32,6 +32,7 @@ from flax import nnx
 
 from zpp_jax.checkpoint import Checkpointer
 from zpp_jax.cli import runs
+from zpp_jax.cli.plan import folded
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.data import ByteDataset, host_to_global, load_text, stdlib_corpus
 from zpp_jax.errors import UsageError, check_positive_finite, check_positive_ints
@@ -72,6 +73,11 @@ class RunConfig:
     resume: bool = False
     overwrite: bool = False
     progress: bool = True
+    # Token pipeline (TeraPipe): stages > 1 trains through `PipelineTrainer`.
+    stages: int = 1
+    slices: str = "auto"  # "auto", a slice count "N", or lengths "l1,l2,..."
+    stage_zero: bool = True  # ZeRO inside the stages, else replicated there
+    cost: str | None = None  # cost model JSON for slices="auto" (default: analytic)
 
     def __post_init__(self) -> None:
         check_positive_ints(
@@ -96,6 +102,24 @@ class RunConfig:
             )
         if self.resume and self.overwrite:
             raise UsageError("--resume continues a run and --overwrite deletes it: pass one")
+        check_positive_ints(self, ("stages",))
+        if self.stages > 1:
+            if self.arch != "gpt":
+                raise UsageError(
+                    f"--stages runs the token pipeline, which is built for --arch gpt, not "
+                    f"{self.arch}; drop --stages or use --arch gpt"
+                )
+            if self.grad_accum != 1:
+                raise UsageError(
+                    "--grad-accum splits the batch into micro-batches, which the token "
+                    "pipeline does not take; drop --grad-accum or --stages"
+                )
+            parse_slices(self.slices)
+        elif self.slices != "auto" or self.cost is not None or not self.stage_zero:
+            raise UsageError(
+                "--slices, --cost and --no-stage-zero set up the token pipeline: pass "
+                "--stages K (K > 1) with them"
+            )
 
 
 # -- build ----------------------------------------------------------------------
@@ -136,6 +160,66 @@ def make_trainer(cfg: RunConfig) -> Trainer:
     )
 
 
+def parse_slices(text: str) -> str | int | tuple[int, ...]:
+    """`--slices`: "auto", a slice count "N", or lengths "l1,l2,..."."""
+    if text == "auto":
+        return text
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) <= 0:
+        raise UsageError(
+            f"--slices {text!r}: use auto, a number of equal slices (8), or the slice "
+            "lengths (16,16,32), all positive"
+        )
+    return values[0] if len(values) == 1 and "," not in text else values
+
+
+def choose_slices(cfg: RunConfig, model_cfg: GPTConfig) -> tuple[tuple[int, ...], str]:
+    """The run's token slicing and how it was chosen (for the log)."""
+    from zpp_jax.pipeline import AnalyticCost, load_cost, plan_tokens, uniform_slicing
+    from zpp_jax.pipeline.planner import auto_granularity
+
+    seq, spec = model_cfg.seq_len, parse_slices(cfg.slices)
+    if isinstance(spec, tuple):
+        if sum(spec) != seq:
+            raise UsageError(
+                f"--slices {cfg.slices} add up to {sum(spec)} tokens; the sequences have {seq}"
+            )
+        return spec, "given"
+    if isinstance(spec, int):
+        if spec > seq:
+            raise UsageError(f"--slices {spec}: more slices than the {seq} tokens of a sequence")
+        return uniform_slicing(seq, spec), f"{spec} equal slices"
+    per_stage = model_cfg.n_layers // cfg.stages
+    if cfg.cost:
+        cost, source = load_cost(cfg.cost), f"cost model {cfg.cost}"
+    else:
+        cost = AnalyticCost(hidden=model_cfg.d_model, layers=per_stage, ffn=model_cfg.d_ff)
+        source = "analytic cost model"
+    granularity = auto_granularity(seq)
+    rows = cfg.batch // (cfg.nodes * cfg.local)
+    plan = plan_tokens(seq, cfg.stages, cost, granularity, rows, objective="lockstep")
+    return plan.slices, f"planned ({source}, granularity {granularity} tokens)"
+
+
+def make_pipeline_trainer(cfg: RunConfig, slices: tuple[int, ...]):
+    """The run's model and optimizer as a token pipeline of `cfg.stages`
+    stages of nodes x local devices each."""
+    from zpp_jax.mesh import make_pipeline_mesh
+    from zpp_jax.pipeline import PipelineTrainer
+
+    return PipelineTrainer(
+        make_model(cfg),
+        make_optimizer(cfg),
+        make_pipeline_mesh(cfg.stages, cfg.nodes, cfg.local),
+        slices,
+        cfg.zero if cfg.stage_zero else None,
+        max_grad_norm=cfg.clip,
+    )
+
+
 @dataclasses.dataclass
 class Job:
     """Everything `loop` needs: built once, then stepped."""
@@ -150,6 +234,7 @@ class Job:
     identity: dict  # saved with each checkpoint, checked on resume
     train_step: Any = None
     eval_step: Any = None
+    slicing: str = ""  # the token pipeline's slices, and how they were chosen
     cross_node_bytes: float = 0.0
     intra_node_bytes: float = 0.0
 
@@ -166,7 +251,18 @@ def build(cfg: RunConfig, log=print) -> Job:
     model_cfg = model_config(cfg)
     tokens = load_text(cfg.data) if cfg.data else stdlib_corpus()
     data = ByteDataset(tokens, model_cfg.seq_len, vocab_size=model_cfg.vocab_size)
-    trainer = make_trainer(cfg)
+    slicing = ""
+    if cfg.stages > 1:
+        if model_cfg.n_layers % cfg.stages:
+            raise UsageError(
+                f"--stages {cfg.stages} does not divide the model's {model_cfg.n_layers} "
+                "layers; choose a number of stages that divides the layer count"
+            )
+        slices, how = choose_slices(cfg, model_cfg)
+        trainer = make_pipeline_trainer(cfg, slices)
+        slicing = f"{len(slices)} slices ({how}): {folded(slices)}"
+    else:
+        trainer = make_trainer(cfg)
     trainer.check_batch_size(cfg.batch)
     checkpointer = Checkpointer(cfg.ckpt_dir) if cfg.ckpt_dir else None
     state, position = trainer.init(), 0
@@ -188,6 +284,7 @@ def build(cfg: RunConfig, log=print) -> Job:
             if position == cfg.steps:
                 log(f"--resume: checkpoint {position} is the last step (--steps {cfg.steps})")
     job = Job(cfg, model_cfg, data, trainer, checkpointer, state, position, run_identity)
+    job.slicing = slicing
     job.train_step = trainer.train_step.lower(state, job.batch("train", 0)).compile()
     job.eval_step = trainer.eval_step.lower(state, job.batch("val", 0)).compile()
     moved = summarize(job.train_step.as_text(), cfg.local)
@@ -353,11 +450,17 @@ def run(cfg: RunConfig) -> list[dict]:
     output = Output(cfg, job.position)
     if job.position:
         output.log(f"resumed at batch {job.position} from {cfg.ckpt_dir}")
-    params = sum(x.size for x in jax.tree.leaves(nnx.filter_state(job.state[0], nnx.Param)))
+    abstract = nnx.eval_shape(lambda: make_model(cfg))
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    mesh = f"{cfg.nodes} x {cfg.local}"
+    if cfg.stages > 1:
+        zero = cfg.zero if cfg.stage_zero else "layers replicated inside the stages"
+        mesh = f"{cfg.stages} stages x {mesh}; {zero}; token pipeline of {job.slicing}"
+    else:
+        mesh = f"{mesh}; {cfg.zero}"
     output.log(
-        f"{cfg.arch} {cfg.model}: {params:,} parameters; mesh {cfg.nodes} x {cfg.local}; "
-        f"{cfg.zero}; per device per step {job.cross_node_bytes:,.0f} B across nodes, "
-        f"{job.intra_node_bytes:,.0f} B inside"
+        f"{cfg.arch} {cfg.model}: {params:,} parameters; mesh {mesh}; per device per step "
+        f"{job.cross_node_bytes:,.0f} B across nodes, {job.intra_node_bytes:,.0f} B inside"
     )
     records = []
     try:

@@ -13,11 +13,13 @@ from zpp_jax.pipeline.planner import (
 )
 from zpp_jax.pipeline.profile import calibrate_step_overhead
 from zpp_jax.pipeline.runtime import STAGE, TokenPipeline
+from zpp_jax.pipeline.trainer import PipelineTrainer
 
 __all__ = [
     "AnalyticCost",
     "BatchPlan",
     "FittedCost",
+    "PipelineTrainer",
     "Plan",
     "STAGE",
     "TokenPipeline",

@@ -91,6 +91,18 @@ def uniform_slicing(seq_len: int, slices: int) -> tuple[int, ...]:
     return tuple(q + 1 if i < r else q for i in range(slices))
 
 
+def auto_granularity(seq_len: int, max_units: int = 256) -> int:
+    """The finest granularity (tokens per planning unit) that divides
+    `seq_len` into at most `max_units` units. The DP's cost table has
+    units^2 entries and each bound costs units^2 work, so the unit count,
+    not the sequence length, bounds the planner's time and memory."""
+    _units(seq_len, 1)
+    for g in range(max(1, -(-seq_len // max_units)), seq_len + 1):
+        if seq_len % g == 0:
+            return g
+    return seq_len
+
+
 def best_uniform(
     seq_len: int,
     stages: int,

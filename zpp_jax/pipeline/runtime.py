@@ -19,16 +19,24 @@ those slices' backward by the cache updates' transposes. Gradients equal the
 unpipelined model's (to fp32 round-off). `zpp_jax.pipeline.latency(...,
 objective="lockstep")` models exactly this schedule's cost.
 
-With `zero` (a `ZeroPPConfig`) the mesh is (`stage`, `node`, `local`): each
-stage's layers are sharded over that stage's node x local devices as flat
-primary shards (ZeRO-3, or ZeRO++ with the config's techniques), every layer
-call gathers its weight through a `ShardedLayer`, and the batch is split over
-node x local (data parallel inside the stage). A layer's weight is gathered
-once per pipeline step that runs it (M + K - 1 times per training step).
+On a (`stage`, `node`, `local`) mesh the batch is split over node x local
+(data parallel inside each stage). With `zero` (a `ZeroPPConfig`) each
+stage's layers are sharded over its node x local devices as flat primary
+shards (ZeRO-3, or ZeRO++ with the config's techniques). Each layer's weight
+is gathered once per training step, before the first pipeline step
+(`ShardedLayer.held`: qwZ codes over the wire, hierarchically with hpZ), and
+held by the stage for the whole forward schedule and its backward; the
+gradient summed over every pipeline step is reduced once (qgZ or
+reduce-scatter, with error feedback if configured). Re-gathering per
+pipeline step would cost M + K - 1 cross-node gathers per layer (or, with
+hpZ, that many gathers inside the node) to hold one layer at a time.
+Without `zero` the layers are replicated over node x local and their
+gradients averaged by an all-reduce.
 
-Memory: each stage keeps its layers' parameters, a key/value cache of
-2 x layers/K x batch x (seq + longest slice) x d_model, and autodiff's
-residuals for every step.
+Memory per device: the stage's parameters (with `zero`, 1/(node x local)
+of them, plus the held full weights of its layers/K layers in their own
+dtype during a step), a key/value cache of 2 x layers/K x batch x
+(seq + longest slice) x d_model, and autodiff's residuals for every step.
 """
 
 from __future__ import annotations
@@ -46,11 +54,9 @@ from jax.sharding import PartitionSpec as P
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.layer import ShardedLayer
-from zpp_jax.mesh import AXES
+from zpp_jax.mesh import AXES, STAGE
 from zpp_jax.models.gpt import GPT
 from zpp_jax.partition import FlatLayout
-
-STAGE = "stage"
 
 
 class TokenPipeline:
@@ -60,7 +66,10 @@ class TokenPipeline:
     (`blocks` reshaped to (K, L/K, ...) and sharded over `stage`; embedding
     and head replicated); ``loss, grads = pipe.value_and_grad(params, tokens,
     targets)`` (jitted) returns the mean next-token loss and gradients in the
-    same layout. `tokens`, `targets`: int32 (batch, seq_len).
+    same layout; ``pipe.loss(params, tokens, targets)`` the loss alone.
+    `tokens`, `targets`: int32 (batch, seq_len). With error feedback use
+    ``loss, grads, residuals = pipe.value_grad_residuals(params, residuals,
+    tokens, targets)``, starting from ``pipe.init_residuals()``.
     """
 
     def __init__(
@@ -94,18 +103,31 @@ class TokenPipeline:
             )
         self.mesh, self.cfg, self.slices = mesh, cfg, slices
         self.per_stage = cfg.n_layers // self.stages
+        # The data-parallel axes inside a stage (none on a stage-only mesh).
+        self.dp_axes = tuple(a for a in AXES if a in mesh.axis_names)
+        self.dp = int(np.prod([mesh.shape[a] for a in self.dp_axes]))
         self._graph = {
             name: nnx.split(getattr(model, name), nnx.Param, ...)
             for name in ("embed", "blocks", "head")
         }
         self.zero = zero
-        self._layers = {}
         if zero is not None:
-            dp = mesh.shape["node"] * mesh.shape["local"]
             self.layout = FlatLayout.from_tree(
-                self._graph["blocks"][1], dp, stacked=True, align=zero.alignment
+                self._graph["blocks"][1], self.dp, stacked=True, align=zero.alignment
             )
+            block_def, _, block_rest = self._graph["blocks"]
+
+            def block(p, x):
+                return nnx.merge(block_def, p, block_rest)(x)
+
+            self.layer = ShardedLayer(block, self.layout, zero, compute_dtype=None)
         self.value_and_grad = jax.jit(self._value_and_grad)
+        self.value_grad_residuals = jax.jit(self._value_grad_residuals)
+        self.loss = jax.jit(self._loss)
+
+    @property
+    def error_feedback(self) -> bool:
+        return self.zero is not None and self.zero.error_feedback
 
     def params(self) -> dict:
         """The model's parameters laid out for the pipeline mesh."""
@@ -120,6 +142,23 @@ class TokenPipeline:
 
     def shardings(self, params: dict) -> dict:
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._specs(params))
+
+    def init_residuals(self) -> jax.Array:
+        """Zero error-feedback residuals: (K, layers/K, devices x r), laid out
+        like the block shards (r = `ShardedLayer.residual_size` per device)."""
+        if not self.error_feedback:
+            raise UsageError("error-feedback residuals need zero=ZeroPPConfig(error_feedback=True)")
+        nodes, local = self.mesh.shape["node"], self.mesh.shape["local"]
+        size = self.dp * self.layer.residual_size(nodes, local)
+        sharding = NamedSharding(self.mesh, P(STAGE, None, AXES))
+        return jnp.zeros(
+            (self.stages, self.per_stage, size), self.zero.residual_dtype, device=sharding
+        )
+
+    def batch_sharding(self) -> NamedSharding:
+        """Tokens and targets: rows split over the data-parallel axes,
+        replicated over the stages."""
+        return NamedSharding(self.mesh, P(self.dp_axes) if self.dp_axes else P())
 
     def unstack(self, grads_or_params: dict) -> dict:
         """`blocks` back to the model's (L, ...) layout."""
@@ -141,48 +180,84 @@ class TokenPipeline:
             out[name] = jax.tree.map(lambda _, spec=spec: spec, tree)
         return out
 
-    def _sharded(self, keys: int) -> ShardedLayer:
-        """The ZeRO layer of a step whose attention reads `keys` cached positions."""
-        if keys not in self._layers:
-            block_def, _, block_rest = self._graph["blocks"]
-
-            def fn(p, inputs):
-                x, kv, start = inputs
-                return _cached_block(nnx.merge(block_def, p, block_rest), x, kv, start, keys)
-
-            self._layers[keys] = ShardedLayer(fn, self.layout, self.zero, compute_dtype=None)
-        return self._layers[keys]
-
     # -- the schedule ------------------------------------------------------------
 
     def _value_and_grad(self, params, tokens, targets):
-        spec = self._specs(params)
-        zero = self.zero is not None
-        batch_spec = P(AXES) if zero else P()
+        if self.error_feedback:
+            raise UsageError(
+                "error feedback carries residuals between steps: use value_grad_residuals"
+            )
+        loss, grads, _ = self._value_grad_residuals(params, None, tokens, targets)
+        return loss, grads
 
-        def local(params, tokens, targets):
+    def _value_grad_residuals(self, params, residuals, tokens, targets):
+        spec = self._specs(params)
+        dp, zero = self.dp_axes, self.zero is not None
+        res_spec = P(STAGE, None, AXES) if residuals is not None else None
+
+        def local(params, residuals, tokens, targets):
             params = dict(params, blocks=jax.tree.map(lambda a: a[0], params["blocks"]))
-            loss, grads = jax.value_and_grad(self._local_loss)(params, tokens, targets)
+            res = None if residuals is None else residuals[0]
+            loss, (grads, res) = jax.value_and_grad(self._local_loss, argnums=(0, 1))(
+                params, res, tokens, targets
+            )
             # Embedding and head are replicated: their gradient is the sum of
             # every stage's (zero except on the first / last stage), averaged
-            # over the data-parallel devices. (ZeRO layers average their own.)
+            # over the data-parallel devices. ZeRO layers reduce their own;
+            # replicated layers are averaged here.
             for name in ("embed", "head"):
                 grads[name] = lax.psum(grads[name], STAGE)
-                if zero:
-                    grads[name] = lax.pmean(grads[name], AXES)
+            for name in ("embed", "head") if zero else ("embed", "blocks", "head"):
+                if dp:
+                    grads[name] = lax.pmean(grads[name], dp)
             grads["blocks"] = jax.tree.map(lambda a: a[None], grads["blocks"])
             loss = lax.psum(loss, STAGE)
-            return (lax.pmean(loss, AXES) if zero else loss), grads
+            loss = lax.pmean(loss, dp) if dp else loss
+            return loss, grads, (None if res is None else res[None])
 
         return jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(spec, batch_spec, batch_spec),
-            out_specs=(P(), spec),
+            in_specs=(spec, res_spec, self.batch_sharding().spec, self.batch_sharding().spec),
+            out_specs=(P(), spec, res_spec),
+            check_vma=False,
+        )(params, residuals, tokens, targets)
+
+    def _loss(self, params, tokens, targets):
+        spec = self._specs(params)
+        dp = self.dp_axes
+
+        def local(params, tokens, targets):
+            params = dict(params, blocks=jax.tree.map(lambda a: a[0], params["blocks"]))
+            res = None
+            if self.error_feedback:  # the forward pass does not read it
+                nodes, local = self.mesh.shape["node"], self.mesh.shape["local"]
+                size = self.layer.residual_size(nodes, local)
+                res = jnp.zeros((self.per_stage, size), self.zero.residual_dtype)
+            loss = lax.psum(self._local_loss(params, res, tokens, targets), STAGE)
+            return lax.pmean(loss, dp) if dp else loss
+
+        return jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(spec, self.batch_sharding().spec, self.batch_sharding().spec),
+            out_specs=P(),
             check_vma=False,
         )(params, tokens, targets)
 
-    def _local_loss(self, params, tokens, targets):
+    def _stage_weights(self, blocks, residuals):
+        """This stage's layers as (layers/K, ...) parameter trees: gathered
+        once per step with ZeRO (`ShardedLayer.held`), else as they are."""
+        if self.zero is None:
+            return blocks
+
+        def gather(_, xs):
+            shard, residual = xs
+            return None, self.layer.held(shard, residual)
+
+        return lax.scan(gather, None, (blocks, residuals))[1]
+
+    def _local_loss(self, params, residuals, tokens, targets):
         """This stage's share of the mean loss (non-zero on the last stage)."""
         cfg, k_stages, slices = self.cfg, self.stages, self.slices
         b = tokens.shape[0]
@@ -196,6 +271,7 @@ class TokenPipeline:
         embed = nnx.merge(self._graph["embed"][0], params["embed"], self._graph["embed"][2])
         head = nnx.merge(self._graph["head"][0], params["head"], self._graph["head"][2])
         block_def, _, block_rest = self._graph["blocks"]
+        weights = self._stage_weights(params["blocks"], residuals)
         dtype = jnp.dtype(cfg.dtype)
         # Room past the sequence: padded rows and idle stages write there.
         tokens = jnp.pad(tokens, ((0, 0), (0, pmax)))
@@ -222,12 +298,9 @@ class TokenPipeline:
 
             def layer(x, xs, start=start, keys=keys):
                 p, kv = xs
-                if self.zero is not None:
-                    return self._sharded(keys)(p, (x, kv, start))
-                blk = nnx.merge(block_def, p, block_rest)
-                return _cached_block(blk, x, kv, start, keys)
+                return _cached_block(nnx.merge(block_def, p, block_rest), x, kv, start, keys)
 
-            x, cache = lax.scan(layer, x, (params["blocks"], cache))
+            x, cache = lax.scan(layer, x, (weights, cache))
 
             logits = head(x)
             tgt = lax.dynamic_slice_in_dim(targets, start, pad, axis=1)

@@ -1,0 +1,153 @@
+"""`zpp train --stages K`: training through the token pipeline, against
+`zpp train` without it; checkpoints, the gathers it compiles, bad input."""
+
+import dataclasses
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from zpp_jax import Checkpointer, UsageError, ZeroPPConfig, make_pipeline_mesh
+from zpp_jax.cli.train import RunConfig, make_pipeline_trainer, parse_slices, run
+from zpp_jax.models.gpt import GPT, GPTConfig
+from zpp_jax.pipeline import PipelineTrainer, TokenPipeline
+from zpp_jax.step_report import collectives_in_hlo
+
+EXACT = ZeroPPConfig.zero3(comm_dtype=None)
+# Tiny GPT (2 layers: one per stage) at 16 tokens, fp32, 8 sequences.
+BASE = RunConfig(
+    zero=EXACT,
+    seq_len=16,
+    batch=8,
+    steps=5,
+    eval_every=5,
+    eval_batches=1,
+    warmup=1,
+    compute_dtype="float32",
+    progress=False,
+)
+PIPE = dict(stages=2, nodes=2, local=2, slices="4,4,8")
+
+
+def _losses(records):
+    return np.array([r["loss"] for r in records])
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """`zpp train` on a 2 x 4 mesh, no pipeline."""
+    return run(BASE)
+
+
+@pytest.mark.parametrize("stage_zero", [True, False], ids=["zero3", "replicated"])
+def test_pipelined_training_equals_unpipelined(reference, stage_zero):
+    """Same seed, data and batch: the losses (and the validation loss) of
+    the pipelined run equal the unpipelined run's to 1e-5 relative, with
+    ZeRO-3 inside the stages and with the layers replicated there."""
+    got = run(dataclasses.replace(BASE, stage_zero=stage_zero, **PIPE))
+    np.testing.assert_allclose(_losses(got), _losses(reference), rtol=1e-5)
+    assert got[-1]["val_loss"] == pytest.approx(reference[-1]["val_loss"], rel=1e-5)
+    assert [r["skipped"] for r in got] == [0] * 5
+
+
+@pytest.mark.slow
+def test_resume_of_a_pipelined_run_is_bitwise(tmp_path):
+    """ZeRO++ with error feedback inside the stages (the residuals are part
+    of the state): a run stopped after checkpoint 2 and resumed ends with the
+    metrics and the state of a run never stopped, bit for bit."""
+    zero = ZeroPPConfig(error_feedback=True)
+    cfg = dataclasses.replace(BASE, zero=zero, steps=4, eval_every=2, **PIPE)
+
+    def train(name, steps, resume=False):
+        out = dict(ckpt_dir=str(tmp_path / name), metrics=str(tmp_path / f"{name}.jsonl"))
+        out["ckpt_every"] = 2
+        return run(dataclasses.replace(cfg, steps=steps, resume=resume, **out))
+
+    train("a", 4)
+    train("b", 2)
+    assert [r["step"] for r in train("b", 4, resume=True)] == [3, 4]
+    records = {
+        k: [json.loads(x) for x in (tmp_path / f"{k}.jsonl").read_text().splitlines()] for k in "ab"
+    }
+    for key in ("step", "loss", "grad_norm", "val_loss"):
+        assert [r.get(key) for r in records["a"]] == [r.get(key) for r in records["b"]], key
+    target = make_pipeline_trainer(cfg, (4, 4, 8)).abstract_state()
+    (sa, ma), (sb, mb) = (Checkpointer(tmp_path / k).restore(target) for k in "ab")
+    assert ma["data_position"] == mb["data_position"] == 4
+    assert PipelineTrainer.steps_done(sa) == 4 and "residuals" in sa
+    for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+CFG4 = GPTConfig(seq_len=32, d_model=32, n_layers=4, n_heads=4, d_ff=64, dtype="float32")
+
+
+@pytest.mark.parametrize("slices", [(32,), (8, 8, 8, 8)], ids=["1-slice", "4-slices"])
+def test_a_layer_is_gathered_once_per_training_step(slices):
+    """ZeRO++ inside 2 stages of 2 nodes x 2: in the compiled gradient step
+    every all-gather runs once per layer of the stage (layers/K times), for
+    one slice as for four (M + K - 1 = 5 pipeline steps): the cross-node
+    int8 gather (codes and scales) once per layer in the forward pass, the
+    node's local gather once, and no gather in the backward pass. The
+    gradient's all-to-alls (qgZ) also run once per layer."""
+    pipe = TokenPipeline(
+        GPT(CFG4, nnx.Rngs(0)), make_pipeline_mesh(2, 2, 2), slices, zero=ZeroPPConfig()
+    )
+    tokens = jnp.zeros((4, CFG4.seq_len), jnp.int32)
+    hlo = pipe.value_and_grad.lower(pipe.params(), tokens, tokens).compile().as_text()
+    cs = collectives_in_hlo(hlo)
+    per_stage = CFG4.n_layers // 2
+    gathers = [c for c in cs if c.kind == "all-gather"]
+    cross = [c for c in gathers if c.spans_nodes(2)]
+    assert len(cross) == 2  # codes and scales of one gather
+    assert all(c.runs == per_stage for c in gathers)
+    assert sum(c.runs for c in cross) / per_stage == 2  # one gather per layer
+    assert all(c.runs == per_stage for c in cs if c.kind == "all-to-all")
+
+
+def test_bad_pipeline_input_is_refused():
+    for text in ("0", "4,-4", "a", "", "4,,4"):
+        with pytest.raises(UsageError, match="--slices"):
+            parse_slices(text)
+    assert parse_slices("4") == 4 and parse_slices("4,12") == (4, 12)
+    with pytest.raises(UsageError, match="--arch gpt"):
+        RunConfig(arch="llama", stages=2)
+    with pytest.raises(UsageError, match="--grad-accum"):
+        RunConfig(grad_accum=2, stages=2)
+    with pytest.raises(UsageError, match="--stages K"):
+        RunConfig(slices="4")
+    with pytest.raises(UsageError, match="stages"):
+        RunConfig(stages=0)
+    with pytest.raises(UsageError, match="add up to 12 tokens; the sequences have 16"):
+        run(dataclasses.replace(BASE, stages=2, nodes=2, local=2, slices="4,8"))
+    with pytest.raises(UsageError, match="more slices than the 16 tokens"):
+        run(dataclasses.replace(BASE, stages=2, nodes=2, local=2, slices="17"))
+    with pytest.raises(UsageError, match="does not divide the model's 2 layers"):
+        run(dataclasses.replace(BASE, stages=4, nodes=1, local=2))
+    with pytest.raises(UsageError, match=r"2 x 2 x 4 = 16 does not match the 8 devices"):
+        run(dataclasses.replace(BASE, stages=2))
+
+
+@pytest.mark.slow
+def test_two_processes_one_stage_each_equal_one(reference, tmp_path):
+    """`zpp launch --nodes 2 -- train --stages 2`: each process is a stage
+    of 4 devices (ZeRO-3 over them), the activations cross between the
+    processes; the losses equal the single-process unpipelined run's."""
+    metrics = tmp_path / "m.jsonl"
+    args = ["launch", "--nodes", "2", "--local", "4", "--", "train", "--quiet", "--stages", "2"]
+    args += ["--zero3", "--comm-dtype", "float32", "--compute-dtype", "float32"]
+    args += ["--seq", "16", "--batch", "8", "--steps", "5", "--eval-every", "5"]
+    args += ["--eval-batches", "1", "--warmup", "1", "--slices", "4,4,8"]
+    args += ["--metrics", str(metrics)]
+    out = subprocess.run(
+        [sys.executable, "-m", "zpp_jax", *args], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = [json.loads(line) for line in pathlib.Path(metrics).read_text().splitlines()]
+    np.testing.assert_allclose(_losses(got), _losses(reference), rtol=1e-5)

@@ -1,0 +1,155 @@
+"""Training a GPT as a token pipeline: the compiled step, like `Trainer`'s.
+
+`PipelineTrainer(model, optimizer, mesh, slices, config)` lays the model out
+for a (`stage`, `node`, `local`) mesh through a `TokenPipeline` and compiles
+
+* ``train_step(state, batch) -> (state, metrics)``: the pipelined loss and
+  gradients of the batch, clipped to `max_grad_norm` if given, then the
+  Optax update; a step whose loss, gradients or updated state hold a NaN or
+  Inf leaves the state as it was and reports ``skipped = 1``;
+* ``eval_step(state, batch) -> loss``, the forward schedule alone.
+
+It has `Trainer`'s interface (`init`, `abstract_state`, `batch_sharding`,
+`check_batch_size`, `steps_done`), so `zpp train` runs either. The state is
+a dict of sharded arrays: ``params`` (the pipeline layout, see
+`TokenPipeline.params`), ``opt_state`` (the optimizer's, on the same
+layout), ``step`` (updates applied) and, with error feedback,
+``residuals``. The math is the unpipelined model's: gradients equal to fp32
+round-off, the optimizer applied to the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zpp_jax.config import ZeroPPConfig
+from zpp_jax.errors import UsageError, check_positive_finite
+from zpp_jax.models.gpt import GPT
+from zpp_jax.pipeline.runtime import TokenPipeline
+
+State = dict[str, Any]
+
+
+class PipelineTrainer:
+    """Compiled training and evaluation steps of a `GPT` trained as a token
+    pipeline over the `stage` axis of `mesh`, cut into `slices`.
+
+    `config`: ZeRO inside the stages (each stage's layers sharded over its
+    node x local devices, gathered once per step; see `TokenPipeline`), or
+    None to replicate them there (plain data parallelism).
+
+    Memory per device: the stage's parameters and optimizer state (with
+    `config`, 1/(node x local) of the stage's layers; embedding and head
+    replicated), the held weights and activations of a step (see
+    `TokenPipeline`), and during the update a second copy of the state.
+    """
+
+    def __init__(
+        self,
+        model: GPT,
+        optimizer: optax.GradientTransformation,
+        mesh: Mesh,
+        slices: Sequence[int],
+        config: ZeroPPConfig | None = None,
+        *,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if max_grad_norm is not None:
+            check_positive_finite("max_grad_norm", max_grad_norm, "number or None (no clipping)")
+        self.max_grad_norm = max_grad_norm
+        self.pipe = TokenPipeline(model, mesh, slices, zero=config)
+        self.mesh, self.optimizer = mesh, optimizer
+        self.num_devices = self.pipe.dp
+        params = self.pipe.params()
+        replicated = NamedSharding(mesh, P())
+        # Moments take their parameter's layout (`zeros_like` of a sharded
+        # array keeps its sharding); counters go onto the mesh, replicated.
+        opt_state = jax.tree.map(
+            lambda a: a if a.ndim else jax.device_put(a, replicated), optimizer.init(params)
+        )
+        self._state = {
+            "params": params,
+            "opt_state": opt_state,
+            "step": jax.device_put(jnp.zeros((), jnp.int32), replicated),
+        }
+        if self.pipe.error_feedback:
+            self._state["residuals"] = self.pipe.init_residuals()
+        self.train_step = jax.jit(self._train_step, donate_argnums=0)
+        self.eval_step = jax.jit(self._eval_step)
+
+    @property
+    def slices(self) -> tuple[int, ...]:
+        return self.pipe.slices
+
+    # -- state -----------------------------------------------------------------
+
+    def init(self) -> State:
+        """The state at step 0: the model's parameters in the pipeline layout."""
+        return self._state
+
+    def abstract_state(self) -> State:
+        """Shapes, dtypes and shardings of the state: a restore target."""
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._state
+        )
+
+    @staticmethod
+    def steps_done(state: State) -> int:
+        """Optimizer updates applied so far (skipped steps do not count)."""
+        return int(state["step"])
+
+    def batch_sharding(self) -> NamedSharding:
+        """Rows over the data-parallel devices of a stage, replicated over stages."""
+        return self.pipe.batch_sharding()
+
+    def check_batch_size(self, b: int) -> None:
+        """Raise UsageError unless a global batch of `b` splits evenly over
+        the data-parallel devices of a stage."""
+        if b % self.num_devices:
+            raise UsageError(
+                f"global batch {b} must be a multiple of the {self.num_devices} data-parallel "
+                "devices of a stage (node x local)"
+            )
+
+    def unstacked_params(self, state: State) -> dict:
+        """The parameters in the model's own layout (`blocks` as (L, ...))."""
+        return self.pipe.unstack(state["params"])
+
+    # -- compiled functions ---------------------------------------------------
+
+    def _train_step(self, state: State, batch: dict) -> tuple[State, dict]:
+        self.check_batch_size(batch["inputs"].shape[0])
+        params = state["params"]
+        residuals = state.get("residuals")
+        loss, grads, residuals = self.pipe._value_grad_residuals(
+            params, residuals, batch["inputs"], batch["targets"]
+        )
+        grad_norm = optax.tree.norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if self.max_grad_norm is not None:
+            factor = jnp.where(grad_norm < self.max_grad_norm, 1.0, self.max_grad_norm / grad_norm)
+            grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], params)
+        new = {
+            "params": optax.apply_updates(params, updates),
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+        }
+        if residuals is not None:
+            new["residuals"] = residuals
+        floats = [x for x in jax.tree.leaves(new) if jnp.issubdtype(x.dtype, jnp.inexact)]
+        ok &= jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in floats]))
+        new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
+        return new, metrics
+
+    def _eval_step(self, state: State, batch: dict) -> jax.Array:
+        self.check_batch_size(batch["inputs"].shape[0])
+        return self.pipe._loss(state["params"], batch["inputs"], batch["targets"])
