@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 
@@ -106,7 +108,7 @@ def test_cost_models_round_trip_and_plan_from_file(tmp_path, capsys):
         again = load_cost(tmp_path / "cost.json")
         assert again == model
         assert np.allclose(again(2, [8, 16], [0, 32]), model(2, [8, 16], [0, 32]))
-    args = ["plan", "--layers", "4", "--hidden", "64", "--seq", "96", "--stages", "2"]
+    args = ["plan", "--seq", "96", "--stages", "2"]
     assert main([*args, "--cost", str(tmp_path / "cost.json"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["cost"]["kind"] == "fitted" and sum(out["plan"]["slices"]) == 96
@@ -116,3 +118,109 @@ def test_cost_models_round_trip_and_plan_from_file(tmp_path, capsys):
     with pytest.raises(ValueError, match="unknown cost model kind"):
         load_cost(tmp_path / "bad.json")
     assert main([*args, "--cost", str(tmp_path / "missing.json")]) == 2
+
+
+def test_one_stage_plans_with_one_dp(monkeypatch):
+    """K = 1: the bound on a slice costs nothing, so the loosest bound gives
+    the optimum; the planner runs the DP once and finds brute force's plan."""
+    from zpp_jax.pipeline import planner
+
+    calls = []
+    dp = planner._dp
+    monkeypatch.setattr(planner, "_dp", lambda *a: calls.append(1) or dp(*a))
+    got = plan_tokens(96, 1, ATTN, granularity=8)
+    assert len(calls) == 1
+    assert got.latency == pytest.approx(brute_force(96, 1, ATTN, granularity=8).latency)
+
+
+def test_auto_granularity_bounds_the_units_and_long_sequences_plan(capsys):
+    from zpp_jax.pipeline.planner import auto_granularity, plan_bytes
+
+    assert auto_granularity(2048) == 8 and auto_granularity(131072) == 512
+    assert auto_granularity(100) == 1 and auto_granularity(257) == 257
+    for seq in (32768, 131072):
+        args = ["plan", "--layers", "96", "--hidden", "12288", "--seq", str(seq)]
+        assert main([*args, "--stages", "48", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["granularity"] == seq // 256 and sum(out["plan"]["slices"]) == seq
+    # At granularity 1, 131,072 units would need a 128 GiB table: refused up front.
+    assert plan_bytes(131072, 1) > 100 * 2**30
+    with pytest.raises(
+        ValueError, match=r"needs about \d+\.\d GiB.*coarser granularity \(e\.g\. 512"
+    ):
+        plan_tokens(131072, 48, ATTN, granularity=1)
+
+
+def test_link_term_adds_each_slice_transfer_and_coarsens_the_plan(tmp_path):
+    from zpp_jax.pipeline import load_cost, save_cost
+    from zpp_jax.pipeline.cost import LinkCost
+
+    link = LinkCost(ATTN, hidden=64, bytes_per_s=1e6, latency_s=0.01, value_bytes=4)
+    # forward activations and backward gradients: 2 x (latency + bytes / bandwidth)
+    want = ATTN(2, 8, 16) + 2 * (0.01 + 2 * 8 * 64 * 4 / 1e6)
+    assert link(2, 8, 16) == pytest.approx(want)
+    save_cost(link, tmp_path / "link.json")
+    assert load_cost(tmp_path / "link.json") == link
+    without = plan_tokens(96, 4, ATTN, granularity=8)
+    with_link = plan_tokens(96, 4, link, granularity=8)
+    assert len(with_link.slices) < len(without.slices)
+    assert with_link.latency == pytest.approx(brute_force(96, 4, link, granularity=8).latency)
+
+
+def test_joint_batch_plan_from_the_cli(capsys):
+    args = ["plan", "--layers", "40", "--hidden", "5120", "--seq", "256", "--stages", "8"]
+    assert main([*args, "--batch", "3", "--granularity", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sum(b for b, _ in out["plan"]["microbatches"]) == 3
+    assert out["plan"]["latency_s"] <= out["one_microbatch"]["latency_s"] * (1 + 1e-12)
+
+
+@pytest.mark.parametrize(
+    "extra, content, message",
+    [
+        (["--stages", "5"], None, "--stages 5 is more than the 4 layers"),
+        (["--hidden", "32"], "fit", "models hidden 64, not --hidden 32"),
+        (
+            ["--layers", "8"],
+            "fit",
+            "models 2 layers per stage, but --layers 8 on --stages 2 gives 4",
+        ),
+        ([], "[1, 2, 3]", "a cost model is a JSON object"),
+        (
+            [],
+            '{"kind": "fitted", "layers": 2, "base_lengths": [1, 8], "base_times": [1, 2], '
+            '"coef": [1, 2]}',
+            "coef must be 3 finite numbers",
+        ),
+        (
+            [],
+            '{"kind": "fitted", "layers": 2, "base_lengths": [1, 8], "base_times": [1, 2], '
+            '"coef": {"a": 1}}',
+            "coef must be 3 finite numbers",
+        ),
+        (
+            [],
+            '{"kind": "fitted", "layers": 2, "base_lengths": [1, 8], "base_times": [-1, 2], '
+            '"coef": [0, 0, 0]}',
+            "base_times must be finite numbers >= 0",
+        ),
+        (["--batch", "2", "--objective", "lockstep"], None, "drop --objective lockstep"),
+        (["--link-latency-us", "5"], None, "--link-gbps must be a positive bandwidth"),
+        (["--link-gbps", "1", "--link", "x.json"], None, "drop --link-gbps"),
+    ],
+)
+def test_bad_plan_input_is_refused_up_front(tmp_path, capsys, extra, content, message):
+    args = ["plan", "--seq", "96", "--stages", "2"]
+    if content is None:
+        args += ["--layers", "4", "--hidden", "64"]
+    else:
+        path = tmp_path / "cost.json"
+        if content == "fit":
+            from zpp_jax.pipeline import save_cost
+
+            save_cost(AnalyticCost(hidden=64, layers=2), path)
+        else:
+            path.write_text(content)
+        args += ["--cost", str(path)]
+    assert main([*args, *extra]) == 2
+    assert message in capsys.readouterr().err

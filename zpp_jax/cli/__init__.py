@@ -419,13 +419,36 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="TeraPipe: choose the token slicing of a sequence for a K-stage pipeline",
     )
-    plan.add_argument("--layers", type=int, required=True)
-    plan.add_argument("--hidden", type=int, required=True)
+    plan.add_argument("--layers", type=int, default=None, help="(required without --cost)")
+    plan.add_argument("--hidden", type=int, default=None, help="(required without --cost)")
     plan.add_argument("--seq", type=int, required=True, help="tokens per sequence")
     plan.add_argument("--stages", type=int, required=True)
-    plan.add_argument("--batch", type=int, default=1, help="sequences per microbatch")
-    plan.add_argument("--granularity", type=int, default=8, help="tokens per planning unit")
+    plan.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="sequences per step: B > 1 plans the joint batch x token program (microbatches, "
+        "each with its own slicing)",
+    )
+    plan.add_argument(
+        "--granularity",
+        type=int,
+        default=None,
+        help="tokens per planning unit (default: the finest with at most 256 units)",
+    )
     plan.add_argument("--cost", default=None, help="a cost model JSON (default: analytic)")
+    plan.add_argument(
+        "--link-gbps", type=float, default=None, help="stage-to-stage link bandwidth, Gbit/s"
+    )
+    plan.add_argument(
+        "--link-latency-us", type=float, default=None, help="stage-to-stage link latency, us"
+    )
+    plan.add_argument(
+        "--link", default=None, help="a measured link (zpp profile --link) instead of the two"
+    )
+    plan.add_argument(
+        "--act-bytes", type=int, default=2, help="bytes per activation value on the link"
+    )
     plan.add_argument(
         "--flops", type=float, default=1e14, help="device FLOP/s of the analytic cost model"
     )

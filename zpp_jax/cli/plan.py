@@ -6,47 +6,151 @@ from __future__ import annotations
 from zpp_jax.errors import UsageError
 
 
-def run_plan(args) -> int:
-    import json
+def plan_cost(args):
+    """The cost model `zpp plan` plans with, and words for where it came from.
+
+    With --cost the file's model; --layers/--hidden, if also given, must agree
+    with it. Without, the analytic model of ceil(layers / stages) layers.
+    --link-gbps/--link-latency-us or --link add the stage-to-stage transfer."""
     import math
 
-    from zpp_jax.pipeline import AnalyticCost, best_uniform, latency, load_cost, plan_tokens
+    from zpp_jax.pipeline import AnalyticCost, load_cost
+    from zpp_jax.pipeline.cost import LinkCost
 
     for name in ("layers", "hidden", "seq", "stages", "batch", "granularity"):
-        if getattr(args, name) <= 0:
-            raise UsageError(f"--{name} must be positive, got {getattr(args, name)}")
-    per_stage = math.ceil(args.layers / args.stages)
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{name} must be positive, got {value}")
+    if args.cost is None and (args.layers is None or args.hidden is None):
+        raise UsageError("--layers and --hidden are required without --cost")
+    if args.layers is not None and args.stages > args.layers:
+        raise UsageError(
+            f"--stages {args.stages} is more than the {args.layers} layers: every stage needs "
+            f"at least one layer; use at most --stages {args.layers}"
+        )
+    per_stage = None if args.layers is None else math.ceil(args.layers / args.stages)
     if args.cost:
-        cost = load_cost(args.cost)
+        cost, source = load_cost(args.cost), f"cost from {args.cost}"
+        _check_agrees(args, cost, per_stage)
     else:
         cost = AnalyticCost(hidden=args.hidden, layers=per_stage, flops=args.flops)
-    kw = dict(granularity=args.granularity, batch=args.batch, objective=args.objective)
-    plan = plan_tokens(args.seq, args.stages, cost, **kw)
+        source = "analytic cost"
+    link = _link(args)
+    if link is not None:
+        hidden = args.hidden or _hidden_of(cost)
+        if hidden is None:
+            raise UsageError("the link term needs the activation width: pass --hidden")
+        cost = LinkCost(cost, hidden, link[0], link[1], args.act_bytes)
+        source += f", link {link[0] * 8 / 1e9:g} Gbit/s + {link[1] * 1e6:g} us"
+    return cost, source
+
+
+def _link(args):
+    """(bytes per second, latency in seconds) of the stage link, or None."""
+    import json
+    import pathlib
+
+    given = args.link_gbps is not None or args.link_latency_us is not None
+    if args.link and given:
+        raise UsageError("--link reads a measured link; drop --link-gbps/--link-latency-us")
+    if args.link:
+        try:
+            data = json.loads(pathlib.Path(args.link).read_text())
+            return float(data["bytes_per_s"]), float(data["latency_s"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UsageError(
+                f"--link {args.link}: not a link measurement (zpp profile --link): {e}"
+            ) from None
+    if not given:
+        return None
+    if args.link_gbps is None or not args.link_gbps > 0:
+        raise UsageError(f"--link-gbps must be a positive bandwidth, got {args.link_gbps}")
+    latency = args.link_latency_us or 0.0
+    if not latency >= 0:
+        raise UsageError(f"--link-latency-us must be >= 0, got {latency}")
+    return args.link_gbps * 1e9 / 8, latency * 1e-6
+
+
+def _hidden_of(cost):
+    inner = getattr(cost, "compute", cost)
+    return getattr(cost, "hidden", None) or getattr(inner, "hidden", None)
+
+
+def _check_agrees(args, cost, per_stage) -> None:
+    """--layers/--hidden given with --cost must describe the file's model."""
+    inner = getattr(cost, "compute", cost)
+    if per_stage is not None and inner.layers != per_stage:
+        raise UsageError(
+            f"--cost {args.cost} models {inner.layers} layers per stage, but --layers "
+            f"{args.layers} on --stages {args.stages} gives {per_stage}; drop --layers or "
+            "profile the stage you plan for"
+        )
+    hidden = _hidden_of(cost)
+    if args.hidden is not None and hidden is not None and hidden != args.hidden:
+        raise UsageError(
+            f"--cost {args.cost} models hidden {hidden}, not --hidden {args.hidden}; drop "
+            "--hidden or use a cost model of that width"
+        )
+
+
+def run_plan(args) -> int:
+    import json
+
+    from zpp_jax.pipeline import best_uniform, latency, plan_batch, plan_tokens
+    from zpp_jax.pipeline.planner import auto_granularity
+
+    cost, source = plan_cost(args)
+    granularity, how = args.granularity, ""
+    if granularity is None:
+        granularity, how = auto_granularity(args.seq), " (auto)"
+    if args.batch > 1 and args.objective != "pipeline":
+        raise UsageError(
+            "--batch plans the joint batch x token program, which has the pipeline "
+            "objective; drop --objective lockstep"
+        )
+    kw = dict(granularity=granularity, batch=args.batch, objective=args.objective)
+    one = plan_tokens(args.seq, args.stages, cost, **kw)
     uniform = best_uniform(args.seq, args.stages, cost, **kw)
     whole = latency((args.seq,), cost, args.stages, args.batch, args.objective)
+    joint = (
+        plan_batch(args.batch, args.seq, args.stages, cost, granularity) if args.batch > 1 else None
+    )
     if args.json:
         out = {
             "objective": args.objective,
-            "layers_per_stage": per_stage,
+            "granularity": granularity,
             "cost": cost.to_json(),
-            "plan": {"slices": list(plan.slices), "latency_s": plan.latency},
+            "plan": {"slices": list(one.slices), "latency_s": one.latency},
             "uniform": {"slices": list(uniform.slices), "latency_s": uniform.latency},
             "no_slicing": {"slices": [args.seq], "latency_s": whole},
         }
+        if joint is not None:
+            out["one_microbatch"] = out["plan"]
+            out["plan"] = {
+                "microbatches": [[b, list(s)] for b, s in joint.microbatches],
+                "latency_s": joint.latency,
+            }
         print(json.dumps(out))
         return 0
+    layers = f"{args.layers} layers on " if args.layers else ""
     print(
-        f"{args.layers} layers on {args.stages} stages ({per_stage} per stage), hidden "
-        f"{args.hidden}, {args.batch} x {args.seq} tokens, granularity {args.granularity}, "
-        f"{'cost from ' + args.cost if args.cost else 'analytic cost'}, {args.objective} objective"
+        f"{layers}{args.stages} stages, {args.batch} x {args.seq} tokens, granularity "
+        f"{granularity}{how}, {source}, {args.objective} objective"
     )
-    rows = [("planner", plan), ("best uniform", uniform)]
-    for name, p in rows:
-        speedup = whole / p.latency if p.latency > 0 else float("inf")
-        print(
-            f"{name:13s} {p.latency * 1e3:12.3f} ms  {speedup:6.2f}x vs no slicing  "
-            f"{len(p.slices)} slices: {folded(p.slices)}"
-        )
+    rows = []
+    if joint is not None:
+        micro = "; ".join(f"{b} x [{folded(s)}]" for b, s in joint.microbatches)
+        rows.append(("planner", joint.latency, f"{len(joint.microbatches)} microbatches: {micro}"))
+        name = "1 microbatch"
+    else:
+        name = "planner"
+    rows.append((name, one.latency, f"{len(one.slices)} slices: {folded(one.slices)}"))
+    rows.append(
+        ("best uniform", uniform.latency, f"{len(uniform.slices)} slices: {folded(uniform.slices)}")
+    )
+    for name, t, what in rows:
+        speedup = whole / t if t > 0 else float("inf")
+        print(f"{name:13s} {t * 1e3:12.3f} ms  {speedup:6.2f}x vs no slicing  {what}")
     print(f"{'no slicing':13s} {whole * 1e3:12.3f} ms")
     return 0
 

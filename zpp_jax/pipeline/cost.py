@@ -2,7 +2,11 @@
 pipeline stage to run the forward and backward pass of a microbatch of `b`
 sequences, `l` new tokens each, after a context of `c` tokens.
 
-Two models share that contract: `AnalyticCost` (FLOPs / device throughput,
+`LinkCost(compute, ...)` adds to any of them the stage-to-stage transfer
+of a slice: its activations forward and their gradient backward, each
+``latency + bytes / bandwidth``.
+
+Two compute models share that contract: `AnalyticCost` (FLOPs / device throughput,
 plus a fixed per-layer overhead that makes very short slices inefficient)
 for planning without a device, and `FittedCost` (measured times: the
 no-context time per length, plus the extra time of context, either TeraPipe's
@@ -18,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from typing import Any
 
 import numpy as np
 
@@ -41,14 +46,11 @@ class AnalyticCost:
     saturation_tokens: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "layers"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise UsageError(f"{name} must be a positive int, got {v!r}")
-        if self.ffn is not None and (not isinstance(self.ffn, int) or self.ffn <= 0):
-            raise UsageError(f"ffn must be a positive int, got {self.ffn!r}")
-        if not self.flops > 0 or not self.overhead_s >= 0 or not self.saturation_tokens >= 1:
-            raise UsageError("flops must be > 0, overhead_s >= 0, saturation_tokens >= 1")
+        for name in ("hidden", "layers") + (("ffn",) if self.ffn is not None else ()):
+            _number(name, getattr(self, name), minimum=1, integer=True)
+        _number("flops", self.flops, minimum=0, strict=True)
+        _number("overhead_s", self.overhead_s, minimum=0)
+        _number("saturation_tokens", self.saturation_tokens, minimum=1)
 
     def __call__(self, batch, length, context):
         h = self.hidden
@@ -88,16 +90,20 @@ class FittedCost:
     step_overhead: float = 0.0
 
     def __post_init__(self) -> None:
+        _numbers("base_lengths", self.base_lengths, minimum=1, integers=True)
+        _numbers("base_times", self.base_times, minimum=0)
+        _numbers("coef", self.coef, count=3)
+        if self.context_slopes is not None:
+            _numbers("context_slopes", self.context_slopes, minimum=0)
         if len(self.base_lengths) < 2 or len(self.base_lengths) != len(self.base_times):
             raise UsageError("a fitted cost needs >= 2 (length, time) points of equal count")
         if list(self.base_lengths) != sorted(set(self.base_lengths)):
             raise UsageError("base_lengths must be strictly increasing")
-        if not isinstance(self.layers, int) or self.layers <= 0:
+        if not isinstance(self.layers, int) or isinstance(self.layers, bool) or self.layers <= 0:
             raise UsageError(f"layers must be a positive int, got {self.layers!r}")
         if self.context_slopes is not None and len(self.context_slopes) != len(self.base_lengths):
             raise UsageError("context_slopes needs one slope per base length")
-        if not (np.isfinite(self.step_overhead) and self.step_overhead >= 0):
-            raise UsageError(f"step_overhead must be >= 0 seconds, got {self.step_overhead!r}")
+        _number("step_overhead", self.step_overhead, minimum=0)
 
     def __call__(self, batch, length, context):
         bl = np.asarray(batch, np.float64) * np.asarray(length, np.float64)
@@ -113,6 +119,73 @@ class FittedCost:
 
     def to_json(self) -> dict:
         return {"kind": "fitted", **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkCost:
+    """`compute`'s slice time plus the slice's transfers between stages:
+    its activations (b * l * `hidden` values of `value_bytes` bytes) to the
+    next stage in the forward pass and their gradient back in the backward
+    pass, each `latency_s` + bytes / `bytes_per_s`.
+
+    The bandwidth and latency come from the flags (`--link-gbps`,
+    `--link-latency-us`) or from a measured transfer between two processes
+    (`zpp profile --link`, `zpp_jax.pipeline.profile.measure_link`)."""
+
+    compute: Any
+    hidden: int
+    bytes_per_s: float
+    latency_s: float = 0.0
+    value_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hidden, int) or isinstance(self.hidden, bool) or self.hidden <= 0:
+            raise UsageError(f"hidden must be a positive int, got {self.hidden!r}")
+        _number("bytes_per_s", self.bytes_per_s, minimum=0, strict=True)
+        _number("latency_s", self.latency_s, minimum=0)
+        if self.value_bytes not in (1, 2, 4, 8):
+            raise UsageError(f"value_bytes must be 1, 2, 4 or 8, got {self.value_bytes!r}")
+
+    def transfer(self, batch, length):
+        """Seconds of one slice's transfers (forward and backward)."""
+        nbytes = np.asarray(batch, np.float64) * np.asarray(length, np.float64) * self.hidden
+        return 2.0 * (self.latency_s + nbytes * self.value_bytes / self.bytes_per_s)
+
+    def __call__(self, batch, length, context):
+        return self.compute(batch, length, context) + self.transfer(batch, length)
+
+    def to_json(self) -> dict:
+        fields = dataclasses.asdict(self)
+        fields["compute"] = self.compute.to_json()
+        return {"kind": "link", **fields}
+
+
+def _numbers(name, values, minimum=None, count=None, integers=False, strict=False) -> None:
+    """Raise UsageError unless `values` is a sequence of finite numbers (of
+    `count` items, >= `minimum`, or > it when `strict`, ints if `integers`)."""
+    kind = "ints" if integers else "numbers"
+    ok = isinstance(values, list | tuple) and all(
+        isinstance(v, int if integers else int | float) and not isinstance(v, bool) for v in values
+    )
+    ok = ok and all(np.isfinite(v) for v in values) and (count is None or len(values) == count)
+    if ok and minimum is not None:
+        ok = all(v > minimum if strict else v >= minimum for v in values)
+    if not ok:
+        what = f"{count} finite {kind}" if count else f"finite {kind}"
+        if minimum is not None:
+            what += f" {'>' if strict else '>='} {minimum}"
+        raise UsageError(f"{name} must be {what}, got {values!r}")
+
+
+def _number(name, value, minimum=None, integer=False, strict=False) -> None:
+    """`_numbers` for one value, with a message about one value."""
+    try:
+        _numbers(name, (value,), minimum=minimum, integers=integer, strict=strict)
+    except UsageError:
+        what = "an int" if integer else "a finite number"
+        if minimum is not None:
+            what += f" {'>' if strict else '>='} {minimum}"
+        raise UsageError(f"{name} must be {what}, got {value!r}") from None
 
 
 def _monotone_interp(x, xs, ys):
@@ -134,15 +207,29 @@ def load_cost(path: str | pathlib.Path):
     """An `AnalyticCost` or `FittedCost` from the JSON `save_cost` wrote."""
     try:
         data = json.loads(pathlib.Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"cannot read a cost model from {path}: {e}") from None
+    try:
+        return cost_from_json(data)
+    except UsageError as e:
+        raise UsageError(f"{path}: {e}") from None
+
+
+def cost_from_json(data: Any):
+    """The cost model a `to_json()` dict describes; UsageError naming the
+    field for anything malformed."""
+    if not isinstance(data, dict):
+        raise UsageError(f"a cost model is a JSON object with a 'kind', got {type(data).__name__}")
+    data = dict(data)
     kind = data.pop("kind", None)
-    models = {"analytic": AnalyticCost, "fitted": FittedCost}
-    if kind in models:
-        # JSON has lists where the dataclasses hold tuples (hashable, frozen).
-        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-        try:
-            return models[kind](**fields)
-        except TypeError as e:
-            raise UsageError(f"{path}: not a {kind} cost model: {e}") from None
-    raise UsageError(f"{path}: unknown cost model kind {kind!r} (analytic or fitted)")
+    models = {"analytic": AnalyticCost, "fitted": FittedCost, "link": LinkCost}
+    if kind not in models:
+        raise UsageError(f"unknown cost model kind {kind!r} (analytic, fitted or link)")
+    if kind == "link":
+        data["compute"] = cost_from_json(data.get("compute"))
+    # JSON has lists where the dataclasses hold tuples (hashable, frozen).
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    try:
+        return models[kind](**fields)
+    except TypeError as e:
+        raise UsageError(f"not a {kind} cost model: {e}") from None

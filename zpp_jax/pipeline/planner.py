@@ -91,6 +91,30 @@ def uniform_slicing(seq_len: int, slices: int) -> tuple[int, ...]:
     return tuple(q + 1 if i < r else q for i in range(slices))
 
 
+MAX_BYTES = 4 * 2**30  # what a plan may allocate unless told otherwise
+
+
+def plan_bytes(seq_len: int, granularity: int, chunk: int = 256, tables: int = 1) -> int:
+    """Bytes the planner allocates at its peak: `tables` cost tables of
+    (units + 1)^2 float64 (and the index grids that build one), plus the
+    DP's per-chunk arrays, (chunk, units + 1) values and choices for each
+    table and the (chunk, units) candidates of one position."""
+    n = seq_len // granularity + 1
+    return 8 * (tables * n * n + 4 * n * n) + 8 * chunk * n * (2 * tables + 2)
+
+
+def _check_memory(seq_len, granularity, chunk, tables, max_bytes) -> None:
+    need = plan_bytes(seq_len, granularity, chunk, tables)
+    if need > max_bytes:
+        fine = auto_granularity(seq_len)
+        raise UsageError(
+            f"planning {seq_len} tokens at granularity {granularity} "
+            f"({seq_len // granularity} units) needs about {need / 2**30:.1f} GiB, over the "
+            f"{max_bytes / 2**30:.1f} GiB allowed; use a coarser granularity (e.g. {fine}, "
+            "what leaving it out chooses)"
+        )
+
+
 def auto_granularity(seq_len: int, max_units: int = 256) -> int:
     """The finest granularity (tokens per planning unit) that divides
     `seq_len` into at most `max_units` units. The DP's cost table has
@@ -124,16 +148,23 @@ def plan_tokens(
     seq_len: int,
     stages: int,
     cost: Cost,
-    granularity: int = 8,
+    granularity: int | None = None,
     batch: int = 1,
     objective: str = "pipeline",
     chunk: int = 256,
+    max_bytes: float = MAX_BYTES,
 ) -> Plan:
     """The slicing of one microbatch of `batch` sequences that minimizes the
     objective; never worse than `best_uniform` (which the lockstep search
-    includes, and which the pipeline DP covers exactly)."""
+    includes, and which the pipeline DP covers exactly).
+
+    `granularity` None: `auto_granularity(seq_len)`. Memory: the cost table
+    and the DP's arrays, about `plan_bytes` (checked against `max_bytes`
+    before anything is allocated); time: units^2 work per candidate bound."""
     _check(stages=stages, objective=objective)
+    granularity = auto_granularity(seq_len) if granularity is None else granularity
     n = _units(seq_len, granularity)
+    _check_memory(seq_len, granularity, chunk, 1, max_bytes)
     table = _cost_table(n, granularity, cost, batch)
     best = _Best()
     seen = {}
@@ -161,15 +192,24 @@ def plan_tokens(
 
 
 def plan_batch(
-    batch: int, seq_len: int, stages: int, cost: Cost, granularity: int = 8, chunk: int = 256
+    batch: int,
+    seq_len: int,
+    stages: int,
+    cost: Cost,
+    granularity: int | None = None,
+    chunk: int = 256,
+    max_bytes: float = MAX_BYTES,
 ) -> BatchPlan:
     """Joint batch x token plan (pipeline objective): split `batch` sequences
     into microbatches, each with its own token slicing, minimizing
-    sum of all slice times + (K - 1) * the longest slice time."""
+    sum of all slice times + (K - 1) * the longest slice time. Memory: one
+    cost table per microbatch size (`plan_bytes`)."""
     _check(stages=stages, objective="pipeline")
     if not isinstance(batch, int) or batch <= 0:
         raise UsageError(f"batch must be a positive int, got {batch!r}")
+    granularity = auto_granularity(seq_len) if granularity is None else granularity
     n = _units(seq_len, granularity)
+    _check_memory(seq_len, granularity, chunk, batch, max_bytes)
     tables = {b: _cost_table(n, granularity, cost, b) for b in range(1, batch + 1)}
     best = _Best()
     for tmax in _bound_chunks(_bounds(list(tables.values()), n), stages, chunk, best):
@@ -273,7 +313,11 @@ def _bounds(tables: list[np.ndarray], n: int) -> np.ndarray:
 def _bound_chunks(values: np.ndarray, stages: int, chunk: int, best: _Best):
     """`values` in chunks of `chunk` bounds, stopping once (K - 1) x the
     smallest bound alone reaches the best latency found so far (TeraPipe's
-    early stop: every later bound is larger)."""
+    early stop: every later bound is larger). With one stage the bound costs
+    nothing, so the loosest bound alone gives the optimum: one DP."""
+    if stages == 1:
+        yield values[-1:]
+        return
     for start in range(0, len(values), chunk):
         tmax = values[start : start + chunk]
         if (stages - 1) * tmax[0] >= best.latency:
