@@ -23,9 +23,13 @@ os.environ["XLA_FLAGS"] = " ".join(
 )
 # One compilation cache for the session, so that a subprocess compiling the
 # same program as an earlier one (a resumed run, the second node of a launch)
-# loads it instead. A fresh directory each session: nothing carries over
-# between runs.
-_CACHE = tempfile.mkdtemp(prefix="zpp-jax-tests-")
+# loads it instead. A fresh directory each session, made by the process that
+# starts it; the pytest-xdist workers inherit it, so that a program one worker
+# compiled is loaded by the other. Nothing carries over between runs.
+_PREFIX = "zpp-jax-tests-"
+_inherited = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
+_OWNER = not os.path.basename(_inherited).startswith(_PREFIX)
+_CACHE = tempfile.mkdtemp(prefix=_PREFIX) if _OWNER else _inherited
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
@@ -38,7 +42,8 @@ from zpp_jax import make_mesh  # noqa: E402
 
 
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(_CACHE, ignore_errors=True)
+    if _OWNER:
+        shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", params=[(2, 4), (4, 2)], ids=["2x4", "4x2"])

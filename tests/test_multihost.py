@@ -123,7 +123,7 @@ def test_two_processes_killed_and_resumed_equal_one(tmp_path):
     process on 2 x 4 devices ends, never stopped: the same losses up to fp32
     round-off, each step recorded once, and the same final state bit for
     bit (its checkpoint restored in this single process)."""
-    steps, every = 12, 3
+    steps, every = 8, 2
     args = [*TRAIN, "--steps", str(steps), "--ckpt-every", str(every)]
     one = [*args, "--metrics", str(tmp_path / "one.jsonl"), "--ckpt-dir", str(tmp_path / "c1")]
     single = _zpp(one)

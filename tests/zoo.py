@@ -263,7 +263,7 @@ class ViTBlock(nn.Module):
 
 
 class ViT(nn.Module):
-    """Patches of 2x2, a class token, three blocks, a classifier."""
+    """Patches of 2x2, a class token, two blocks, a classifier."""
 
     @nn.compact
     def __call__(self, images):
@@ -272,7 +272,7 @@ class ViT(nn.Module):
         cls = self.param("cls", nn.initializers.zeros, (1, 1, 32))
         x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, 32)), x], axis=1)
         x = x + self.param("pos", nn.initializers.normal(0.02), (1, x.shape[1], 32))
-        for i in range(3):
+        for i in range(2):
             x = ViTBlock(name=f"block_{i}")(x)
         return nn.Dense(4, name="head")(nn.LayerNorm()(x[:, 0]))
 

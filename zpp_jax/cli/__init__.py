@@ -289,6 +289,13 @@ def _plan(args) -> int:
 def _profile(args) -> int:
     from zpp_jax.cli.plan import run_profile
 
+    if args.link:
+        from zpp_jax.distributed import DistributedConfig, initialize
+
+        dist = DistributedConfig.from_env()
+        if dist.is_multi_process:
+            initialize(dist, on_lost_peer=functools.partial(_lost_peer, args.command))
+
     return run_profile(args)
 
 
@@ -461,15 +468,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="time one pipeline stage's forward+backward per (slice length, context) on "
         "this device and fit the planner's cost model",
     )
-    prof.add_argument("--layers", type=int, required=True, help="layers per stage")
-    prof.add_argument("--hidden", type=int, required=True)
+    prof.add_argument("--layers", type=int, default=None, help="layers per stage")
+    prof.add_argument("--hidden", type=int, default=None)
+    prof.add_argument(
+        "--link",
+        action="store_true",
+        help="measure the stage-to-stage link instead: a point-to-point transfer between "
+        "two processes (started here unless in a 2-process job), for zpp plan --link",
+    )
     prof.add_argument("--heads", type=int, default=8)
     prof.add_argument("--ffn", type=int, default=None, help="MLP width (default 4 x hidden)")
     prof.add_argument("--batch", type=int, default=1)
     prof.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     prof.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512])
     prof.add_argument("--contexts", type=int, nargs="+", default=[0, 512, 1024, 1536])
-    prof.add_argument("--repeats", type=int, default=3)
+    prof.add_argument(
+        "--repeats", type=int, default=None, help="timed calls per point (3; --link: 15)"
+    )
     prof.add_argument(
         "--seq", type=int, default=None, help="the pipeline's sequence length (its cache size)"
     )

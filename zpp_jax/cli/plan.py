@@ -155,7 +155,39 @@ def run_plan(args) -> int:
     return 0
 
 
+def run_link_profile(args) -> int:
+    """`zpp profile --link`: in a 2-process job, measure the link and
+    (process 0) write it; outside one, start that job on this machine."""
+    import json
+    import pathlib
+
+    from zpp_jax.distributed import DistributedConfig
+
+    repeats = 15 if args.repeats is None else args.repeats
+    if not DistributedConfig.from_env().is_multi_process:
+        from zpp_jax.launch import launch
+
+        argv = ["profile", "--link", "--out", args.out, "--repeats", str(repeats)]
+        return launch(argv, nodes=2, local=1)
+    import jax
+
+    from zpp_jax.pipeline.profile import measure_link
+
+    link = measure_link(repeats=repeats)
+    if jax.process_index() == 0:
+        pathlib.Path(args.out).write_text(json.dumps(link, indent=1))
+        print(
+            f"link: {link['bytes_per_s'] * 8 / 1e9:.3f} Gbit/s, {link['latency_s'] * 1e6:.1f} us "
+            f"latency (fitted to {len(link['points'])} sizes); written to {args.out}"
+        )
+    return 0
+
+
 def run_profile(args) -> int:
+    if args.link:
+        return run_link_profile(args)
+    if args.layers is None or args.hidden is None:
+        raise UsageError("zpp profile needs --layers and --hidden (or --link)")
     from zpp_jax.models.gpt import GPTConfig
     from zpp_jax.pipeline.cost import save_cost
     from zpp_jax.pipeline.profile import profile_stage
@@ -174,7 +206,7 @@ def run_profile(args) -> int:
         args.lengths,
         args.contexts,
         args.batch,
-        args.repeats,
+        3 if args.repeats is None else args.repeats,
         log=print,
         seq_len=args.seq,
     )

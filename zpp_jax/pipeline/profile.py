@@ -9,10 +9,11 @@ no-context time per length, plus the extra time of context as one
 least-squares slope per length (and TeraPipe's fit on [b*c, b*l*c], kept for
 reference), and returns a `FittedCost` the planner reads.
 
-What one stage step in isolation does not show (the activation transfer
-between stages, and stages waiting for each other in lockstep) is
-`calibrate_step_overhead`'s job: it compares one measured run of the real
-pipeline with the model's prediction and sets the per-step overhead.
+What one stage step in isolation does not show, the activation transfer
+between stages, `measure_link` measures: a real point-to-point transfer
+between two processes (`zpp profile --link`), fitted as latency + bytes /
+bandwidth, which `LinkCost` adds to each slice. `calibrate_step_overhead`
+instead fits a per-step overhead to one measured run of the real pipeline.
 """
 
 from __future__ import annotations
@@ -159,3 +160,58 @@ def calibrate_step_overhead(
     predicted = latency(slices, base, stages, batch, objective="lockstep")
     steps = len(slices) + stages - 1
     return dataclasses.replace(base, step_overhead=max(0.0, (measured_s - predicted) / steps))
+
+
+LINK_SIZES = (4096, 65536, 262144, 1048576, 4194304)
+
+
+def measure_link(sizes=LINK_SIZES, repeats: int = 7) -> dict:
+    """Time a point-to-point transfer of each size in `sizes` (bytes) from
+    process 0 to process 1 of a 2-process job (`jax.distributed`), as the
+    pipeline moves a slice's activations: a `lax.ppermute` between the
+    first device of each process. Fits seconds = latency + bytes /
+    bandwidth by least squares over the medians (each of `repeats` calls
+    after one warm-up); returns ``{"bytes_per_s", "latency_s", "points"}``.
+    Every process of the job must call it."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if jax.process_count() != 2:
+        raise UsageError(
+            f"measure_link runs in a job of 2 processes, this one has {jax.process_count()}; "
+            "start it with zpp profile --link"
+        )
+    devices = [
+        min((d for d in jax.devices() if d.process_index == i), key=lambda d: d.id)
+        for i in range(2)
+    ]
+    mesh = Mesh(np.array(devices), ("link",))
+    sharding = NamedSharding(mesh, P("link"))
+    send = jax.jit(
+        jax.shard_map(
+            lambda x: jax.lax.ppermute(x, "link", [(0, 1)]),
+            mesh=mesh,
+            in_specs=P("link"),
+            out_specs=P("link"),
+        )
+    )
+    points = []
+    for nbytes in sorted(set(int(n) for n in sizes)):
+        n = max(1, nbytes // 4)
+        x = jax.make_array_from_callback(
+            (2 * n,), sharding, lambda idx, n=n: np.ones(n, np.float32)
+        )
+        points.append({"bytes": 4 * n, "seconds": time_call(send, (x,), repeats)})
+    a = np.array([[1.0, p["bytes"]] for p in points])
+    y = np.array([p["seconds"] for p in points])
+    latency, per_byte = np.linalg.lstsq(a, y, rcond=None)[0]
+    if not per_byte > 0:
+        raise UsageError(
+            f"the transfer times {[round(p['seconds'] * 1e3, 3) for p in points]} ms do not "
+            "grow with size; measure larger sizes"
+        )
+    return {
+        "bytes_per_s": float(1.0 / per_byte),
+        "latency_s": float(max(latency, 0.0)),
+        "points": points,
+    }
