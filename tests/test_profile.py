@@ -143,3 +143,31 @@ def test_step_overhead_calibration_recovers_the_overhead(tmp_path):
         FittedCost(**{**cost.__dict__, "step_overhead": -1.0})
     with pytest.raises(ValueError, match="one slope per base length"):
         FittedCost(**{**cost.__dict__, "context_slopes": (1e-6,)})
+
+
+@pytest.mark.slow
+def test_zpp_profile_link_measures_a_transfer_the_planner_reads(tmp_path, capsys):
+    """`zpp profile --link` starts two processes, times point-to-point
+    transfers between them and fits latency + bytes / bandwidth; `zpp plan
+    --link` adds each slice's transfers with those numbers."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "link.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "zpp_jax", "profile", "--link", "--repeats", "5", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    link = json.loads(out.read_text())
+    assert link["bytes_per_s"] > 0 and link["latency_s"] >= 0
+    assert [p["bytes"] for p in link["points"]] == [4096, 65536, 262144, 1048576, 4194304]
+    assert all(p["seconds"] > 0 for p in link["points"])
+    args = ["plan", "--layers", "4", "--hidden", "64", "--seq", "96", "--stages", "2", "--json"]
+    assert main([*args, "--link", str(out)]) == 0
+    cost = json.loads(capsys.readouterr().out)["cost"]
+    assert cost["kind"] == "link" and cost["bytes_per_s"] == link["bytes_per_s"]
+    assert cost["latency_s"] == link["latency_s"] and cost["compute"]["kind"] == "analytic"
