@@ -94,7 +94,7 @@ class FittedCost:
         _numbers("base_times", self.base_times, minimum=0)
         _numbers("coef", self.coef, count=3)
         if self.context_slopes is not None:
-            _numbers("context_slopes", self.context_slopes, minimum=0)
+            _numbers("context_slopes", self.context_slopes)
         if len(self.base_lengths) < 2 or len(self.base_lengths) != len(self.base_times):
             raise UsageError("a fitted cost needs >= 2 (length, time) points of equal count")
         if list(self.base_lengths) != sorted(set(self.base_lengths)):
