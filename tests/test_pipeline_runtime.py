@@ -77,7 +77,6 @@ def reference():
 @pytest.mark.parametrize(
     "stages, slices",
     [
-        (2, (8, 8, 8, 8)),  # uniform, more slices than stages
         (2, (12, 9, 6, 5)),  # non-uniform, shrinking like a plan's
         (4, (3, 9, 4, 6, 10)),  # non-uniform, any order, more slices than stages
     ],
