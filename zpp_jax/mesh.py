@@ -61,15 +61,12 @@ def make_mesh(
             f"{len(devices)} devices available; choose sizes whose product is {len(devices)}, "
             f"or pass devices=jax.devices()[:{nodes * local}]"
         )
-    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-    grid = np.array(ordered, dtype=object).reshape(nodes, local)
-    if nprocs > 1:
-        for row in grid:
-            if len({d.process_index for d in row}) != 1:
-                raise UsageError(
-                    f"the local axis of size {local} would span several processes; with "
-                    f"{nprocs} processes use nodes={nprocs} (node = process)"
-                )
+    grid = _process_major(devices, (nodes, local))
+    if grid is None:
+        raise UsageError(
+            f"the local axis of size {local} would span several processes; with "
+            f"{nprocs} processes use nodes={nprocs} (node = process)"
+        )
     return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
 
 
@@ -97,15 +94,24 @@ def make_pipeline_mesh(
             f"{stages * nodes * local} does not match the {len(devices)} devices available; "
             f"choose sizes whose product is {len(devices)}"
         )
-    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-    grid = np.array(ordered, dtype=object).reshape(stages, nodes, local)
-    if any(len({d.process_index for d in row}) != 1 for row in grid.reshape(-1, local)):
+    grid = _process_major(devices, (stages, nodes, local))
+    if grid is None:
         nprocs = len({d.process_index for d in devices})
         raise UsageError(
             f"the local axis of size {local} would span several processes; with {nprocs} "
             f"processes use stages x nodes = {nprocs} (node = process)"
         )
     return Mesh(grid, (STAGE, *AXES), axis_types=(AxisType.Auto,) * 3)
+
+
+def _process_major(devices: Sequence[jax.Device], shape: tuple[int, ...]):
+    """`devices` ordered by process, then id, as an array of `shape`; None
+    when a row of its last (`local`) axis would hold devices of two
+    processes."""
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    grid = np.array(ordered, dtype=object).reshape(shape)
+    rows = grid.reshape(-1, shape[-1])
+    return None if any(len({d.process_index for d in row}) != 1 for row in rows) else grid
 
 
 def _check_positive(name: str, value: int | None) -> None:

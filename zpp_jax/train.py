@@ -152,7 +152,7 @@ class Trainer:
         grad_norm = jnp.sqrt(_squared_norm(grads, self._param_specs, self.mesh))
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if self.max_grad_norm is not None:
-            grads = _clip(grads, grad_norm, self.max_grad_norm)
+            grads = clip_to_norm(grads, grad_norm, self.max_grad_norm)
         optimizer.update(model, grads)
         new = nnx.state((model, optimizer))
         # The update is checked too (a NaN learning rate, an optimizer
@@ -256,7 +256,7 @@ def _spec_leaves(specs: PyTree) -> list[P]:
     return jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def _clip(grads: PyTree, norm: jax.Array, max_norm: float) -> PyTree:
+def clip_to_norm(grads: PyTree, norm: jax.Array, max_norm: float) -> PyTree:
     """`grads` scaled to global norm `max_norm` when `norm` exceeds it: what
     ``optax.clip_by_global_norm`` computes, to rounding (one multiply by a
     scalar, which XLA fuses into the optimizer's update of each leaf, where

@@ -33,6 +33,7 @@ from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError, check_positive_finite
 from zpp_jax.models.gpt import GPT
 from zpp_jax.pipeline.runtime import TokenPipeline
+from zpp_jax.train import clip_to_norm
 
 State = dict[str, Any]
 
@@ -134,8 +135,7 @@ class PipelineTrainer:
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if self.max_grad_norm is not None:
-            factor = jnp.where(grad_norm < self.max_grad_norm, 1.0, self.max_grad_norm / grad_norm)
-            grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+            grads = clip_to_norm(grads, grad_norm, self.max_grad_norm)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], params)
         new = {
             "params": optax.apply_updates(params, updates),
