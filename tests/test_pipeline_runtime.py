@@ -1,4 +1,4 @@
-"""The token-sliced pipelined GPT against the unpipelined model."""
+"""The token-sliced pipelined GPT and Llama against the unpipelined models."""
 
 import functools
 
@@ -11,6 +11,7 @@ from flax import nnx
 
 from zpp_jax import ZeroPPConfig
 from zpp_jax.models.gpt import GPT, GPTConfig
+from zpp_jax.models.llama import Llama, LlamaConfig
 from zpp_jax.pipeline import plan_tokens
 from zpp_jax.pipeline.cost import AnalyticCost
 from zpp_jax.pipeline.runtime import TokenPipeline
@@ -91,6 +92,31 @@ def test_pipelined_loss_and_gradients_equal_the_model(reference, stages, slices)
         _close(grads[name], ref_grads[name])
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["layer_list", "scanned"])
+def test_pipelined_llama_equals_the_model(scan):
+    """The Llama-style model (rotary positions at each slice's offset,
+    2 key/value heads for 4 query heads), its layers a Python list or an
+    `nnx.vmap` stack: loss and gradients of 2 stages over non-uniform slices
+    equal the unpipelined model's."""
+    cfg = LlamaConfig(
+        seq_len=32, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64, scan=scan
+    )
+    model = Llama(cfg, nnx.Rngs(0))
+    tokens, targets = _data(2, 0)
+    ref_loss, ref = _reference(model, tokens, targets)
+    pipe = TokenPipeline(model, _stage_mesh(2), (12, 9, 6, 5))
+    assert pipe.decoder.kv_width == 16  # the cache holds the 2 key/value heads only
+    loss, grads = pipe.value_and_grad(pipe.params(), tokens, targets)
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
+    grads = pipe.unstack(grads)
+    layers = ref["layers"]
+    if not scan:  # a list: stack its layers' gradients like the pipeline's
+        layers = jax.tree.map(lambda *a: jnp.stack(a), *(layers[i] for i in range(cfg.n_layers)))
+    _close(grads["blocks"], layers)
+    for name in ("embed", "norm", "lm_head"):
+        _close(grads[name], ref[name])
+
+
 def test_runs_a_planner_slicing(reference):
     model, tokens, targets, ref_loss, _ = reference
     cost = AnalyticCost(hidden=32, layers=2, flops=1e9, overhead_s=1e-4, saturation_tokens=1)
@@ -109,6 +135,8 @@ def test_bad_input(reference):
         TokenPipeline(model, _stage_mesh(3), (16, 16))
     with pytest.raises(ValueError, match="'stage' axis"):
         TokenPipeline(model, jax.make_mesh((2,), ("x",), devices=jax.devices()[:2]), (16, 16))
+    with pytest.raises(ValueError, match=r"not Linear; .* decoder=\) a PipelineDecoder"):
+        TokenPipeline(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), _stage_mesh(2), (16, 16))
 
 
 @pytest.fixture(scope="module")

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import numpy as np
@@ -96,6 +97,19 @@ def test_bad_input():
         plan_tokens(96, 2, ATTN, objective="fast")
     with pytest.raises(ValueError, match="hidden"):
         AnalyticCost(hidden=0, layers=1)
+    with pytest.raises(ValueError, match="matmul_weights"):
+        AnalyticCost(hidden=8, layers=1, matmul_weights=-1)
+
+
+def test_analytic_cost_counts_the_given_matmul_weights():
+    """The dense term is 2 x tokens x weights (x 3 for the backward pass):
+    a GPT block's 4h^2 + 2hf by default, or the count given (a Llama's)."""
+    gpt = AnalyticCost(hidden=64, layers=1, ffn=256, flops=1.0, overhead_s=0, saturation_tokens=1)
+    same = dataclasses.replace(gpt, matmul_weights=4 * 64 * 64 + 2 * 64 * 256)
+    assert same(1, 8, 0) == gpt(1, 8, 0)
+    double = dataclasses.replace(gpt, matmul_weights=2 * (4 * 64 * 64 + 2 * 64 * 256))
+    attention = gpt(1, 8, 0) - 3 * 2 * 8 * (4 * 64 * 64 + 2 * 64 * 256)
+    assert double(1, 8, 0) - gpt(1, 8, 0) == pytest.approx(gpt(1, 8, 0) - attention)
 
 
 def test_cost_models_round_trip_and_plan_from_file(tmp_path, capsys):

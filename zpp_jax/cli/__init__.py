@@ -476,7 +476,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure the stage-to-stage link instead: a point-to-point transfer between "
         "two processes (started here unless in a 2-process job), for zpp plan --link",
     )
+    prof.add_argument(
+        "--arch", default="gpt", choices=("gpt", "llama"), help="the decoder layer to time"
+    )
     prof.add_argument("--heads", type=int, default=8)
+    prof.add_argument(
+        "--kv-heads", type=int, default=None, help="--arch llama: key/value heads (default --heads)"
+    )
     prof.add_argument("--ffn", type=int, default=None, help="MLP width (default 4 x hidden)")
     prof.add_argument("--batch", type=int, default=1)
     prof.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))

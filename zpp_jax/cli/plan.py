@@ -189,10 +189,11 @@ def run_profile(args) -> int:
     if args.layers is None or args.hidden is None:
         raise UsageError("zpp profile needs --layers and --hidden (or --link)")
     from zpp_jax.models.gpt import GPTConfig
+    from zpp_jax.models.llama import LlamaConfig
     from zpp_jax.pipeline.cost import save_cost
     from zpp_jax.pipeline.profile import profile_stage
 
-    cfg = GPTConfig(
+    sizes = dict(
         seq_len=max(args.lengths) + max(args.contexts),
         d_model=args.hidden,
         n_layers=args.layers,
@@ -200,6 +201,12 @@ def run_profile(args) -> int:
         d_ff=args.ffn or 4 * args.hidden,
         dtype=args.dtype,
     )
+    if args.arch == "llama":
+        cfg = LlamaConfig(**sizes, n_kv_heads=args.kv_heads or args.heads)
+    elif args.kv_heads is not None:
+        raise UsageError("--kv-heads sets the Llama's key/value heads: pass --arch llama with it")
+    else:
+        cfg = GPTConfig(**sizes)
     cost, _ = profile_stage(
         cfg,
         args.layers,

@@ -104,11 +104,6 @@ class RunConfig:
             raise UsageError("--resume continues a run and --overwrite deletes it: pass one")
         check_positive_ints(self, ("stages",))
         if self.stages > 1:
-            if self.arch != "gpt":
-                raise UsageError(
-                    f"--stages runs the token pipeline, which is built for --arch gpt, not "
-                    f"{self.arch}; drop --stages or use --arch gpt"
-                )
             if self.grad_accum != 1:
                 raise UsageError(
                     "--grad-accum splits the batch into micro-batches, which the token "
@@ -196,12 +191,26 @@ def choose_slices(cfg: RunConfig, model_cfg: GPTConfig) -> tuple[tuple[int, ...]
     if cfg.cost:
         cost, source = load_cost(cfg.cost), f"cost model {cfg.cost}"
     else:
-        cost = AnalyticCost(hidden=model_cfg.d_model, layers=per_stage, ffn=model_cfg.d_ff)
+        cost = AnalyticCost(
+            hidden=model_cfg.d_model,
+            layers=per_stage,
+            ffn=model_cfg.d_ff,
+            matmul_weights=_matmul_weights(model_cfg),
+        )
         source = "analytic cost model"
     granularity = auto_granularity(seq)
     rows = cfg.batch // (cfg.nodes * cfg.local)
     plan = plan_tokens(seq, cfg.stages, cost, granularity, rows, objective="lockstep")
     return plan.slices, f"planned ({source}, granularity {granularity} tokens)"
+
+
+def _matmul_weights(model_cfg: GPTConfig | LlamaConfig) -> int:
+    """Weights per layer that multiply each token (the cost model's dense term)."""
+    d, f = model_cfg.d_model, model_cfg.d_ff
+    if isinstance(model_cfg, GPTConfig):
+        return 4 * d * d + 2 * d * f
+    kv = model_cfg.n_kv_heads * model_cfg.head_dim
+    return 2 * d * d + 2 * d * kv + 3 * d * f  # q and o, k and v, SwiGLU
 
 
 def make_pipeline_trainer(cfg: RunConfig, slices: tuple[int, ...]):

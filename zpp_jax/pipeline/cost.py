@@ -33,7 +33,8 @@ from zpp_jax.errors import UsageError
 class AnalyticCost:
     """GPT-style stage of `layers` blocks (d_model `hidden`, MLP `ffn` =
     4 x hidden by default). Forward + backward = 3 x the forward FLOPs:
-    dense 2*b*l*(4 h^2 + 2 h f) and attention 4*b*l*(c + (l+1)/2)*h per layer,
+    dense 2*b*l*w, with w = `matmul_weights` per layer (default
+    4 h^2 + 2 h f, a GPT block's), and attention 4*b*l*(c + (l+1)/2)*h per layer,
     at `flops` per second, plus `overhead_s` per layer and slice. A slice of
     fewer than `saturation_tokens` rows (b*l) takes as long as one of that
     many: small matmuls leave an accelerator idle."""
@@ -44,9 +45,11 @@ class AnalyticCost:
     flops: float = 1e14
     overhead_s: float = 2e-5
     saturation_tokens: int = 128
+    matmul_weights: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "layers") + (("ffn",) if self.ffn is not None else ()):
+        optional = tuple(n for n in ("ffn", "matmul_weights") if getattr(self, n) is not None)
+        for name in ("hidden", "layers") + optional:
             _number(name, getattr(self, name), minimum=1, integer=True)
         _number("flops", self.flops, minimum=0, strict=True)
         _number("overhead_s", self.overhead_s, minimum=0)
@@ -57,7 +60,8 @@ class AnalyticCost:
         f = self.ffn or 4 * h
         n = np.asarray(length, np.float64)
         bl = np.asarray(batch, np.float64) * n
-        dense = 2.0 * bl * (4 * h * h + 2 * h * f)
+        weights = self.matmul_weights or 4 * h * h + 2 * h * f
+        dense = 2.0 * bl * weights
         attn = 4.0 * bl * (np.asarray(context, np.float64) + (n + 1) / 2) * h
         # Below `saturation_tokens` rows a matmul takes as long as at that size.
         slow = np.maximum(1.0, self.saturation_tokens / np.maximum(bl, 1.0))
@@ -200,7 +204,10 @@ def _monotone_interp(x, xs, ys):
 
 
 def save_cost(model, path: str | pathlib.Path) -> None:
-    pathlib.Path(path).write_text(json.dumps(model.to_json(), indent=1))
+    """Write a cost model as JSON (`load_cost` reads it), making its folder."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(model.to_json(), indent=1))
 
 
 def load_cost(path: str | pathlib.Path):

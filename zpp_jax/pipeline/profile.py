@@ -2,7 +2,7 @@
 
 For each (slice length l, context c) of a grid, `profile_stage` times the
 forward and backward pass of what one `TokenPipeline` stage runs in one step:
-`layers` GPT blocks over a slice of l tokens attending to c cached tokens
+`layers` decoder layers (GPT or Llama) over a slice of l tokens attending to c cached tokens
 plus itself, then the LM head and loss (the runtime runs the head on every
 stage; the embedding is negligible). It fits the model: the measured
 no-context time per length, plus the extra time of context as one
@@ -29,35 +29,43 @@ from flax import nnx
 
 from zpp_jax.errors import UsageError
 from zpp_jax.models.gpt import GPT, GPTConfig
+from zpp_jax.models.llama import Llama, LlamaConfig
 from zpp_jax.pipeline.cost import FittedCost
+from zpp_jax.pipeline.decoders import decoder_for
 from zpp_jax.pipeline.planner import latency
-from zpp_jax.pipeline.runtime import _cached_block
+from zpp_jax.pipeline.runtime import _split
 
 
 def stage_step_fn(
-    cfg: GPTConfig, layers: int, batch: int, length: int, context: int, cache_len: int | None = None
+    cfg: GPTConfig | LlamaConfig,
+    layers: int,
+    batch: int,
+    length: int,
+    context: int,
+    cache_len: int | None = None,
 ):
     """A jitted fwd+bwd of one stage step and its inputs: ``f(*args)``.
 
     `cache_len` is the key/value cache the step updates (the runtime's is
     the sequence plus the longest slice; default: just the keys it reads)."""
-    model = GPT(dataclasses.replace(cfg, n_layers=layers), nnx.Rngs(0))
-    block_def, block_params, block_rest = nnx.split(model.blocks, nnx.Param, ...)
-    head = model.head
+    model_class = GPT if isinstance(cfg, GPTConfig) else Llama
+    model = model_class(dataclasses.replace(cfg, n_layers=layers), nnx.Rngs(0))
+    dec = decoder_for(model)
+    parts = dec.parts(model)
+    block_def, block_params, block_rest = _split(parts.pop("blocks"))
     keys = context + length
-    dtype = jnp.dtype(cfg.dtype)
-    x = jnp.ones((batch, length, cfg.d_model), dtype)
+    x = jnp.ones((batch, length, dec.d_model), dec.dtype)
     cache_len = keys if cache_len is None else max(cache_len, keys)
-    cache = jnp.ones((layers, 2, batch, cache_len, cfg.d_model), dtype) * 0.01
+    cache = jnp.ones((layers, 2, batch, cache_len, dec.kv_width), dec.dtype) * 0.01
     targets = jnp.zeros((batch, length), jnp.int32)
 
     def loss(block_params, x, cache):
         def layer(x, xs):
             p, kv = xs
-            return _cached_block(nnx.merge(block_def, p, block_rest), x, kv, context, keys)
+            return dec.layer(nnx.merge(block_def, p, block_rest), x, kv, context, keys)
 
         y, cache = jax.lax.scan(layer, x, (block_params, cache))
-        logp = jax.nn.log_softmax(head(y).astype(jnp.float32), axis=-1)
+        logp = jax.nn.log_softmax(dec.head(parts, y), axis=-1)
         nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)
         return jnp.sum(nll) + jnp.sum(cache[:, :, :, :1].astype(jnp.float32))
 
@@ -76,7 +84,7 @@ def time_call(fn, args, repeats: int = 5) -> float:
 
 
 def profile_stage(
-    cfg: GPTConfig,
+    cfg: GPTConfig | LlamaConfig,
     layers: int,
     lengths: list[int],
     contexts: list[int],

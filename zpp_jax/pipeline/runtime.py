@@ -1,9 +1,10 @@
-"""TeraPipe runtime: the GPT as K pipeline stages over token slices.
+"""TeraPipe runtime: a decoder LM as K pipeline stages over token slices.
 
-`TokenPipeline(model, mesh, slices)` runs the NNX `GPT` (zpp_jax.models.gpt)
-on a mesh with a `stage` axis of K devices: stage k holds layers
-[k L/K, (k+1) L/K); the embedding runs on the first stage, the LM head and
-the loss on the last. One sequence (or a microbatch of sequences, all cut the
+`TokenPipeline(model, mesh, slices)` runs an NNX decoder (`zpp_jax.models`'
+`GPT` or `Llama`, or any model with a `PipelineDecoder`) on a mesh with a
+`stage` axis of K devices: stage k holds layers [k L/K, (k+1) L/K); the
+embedding runs on the first stage, the final norm, LM head and loss on the
+last. One sequence (or a microbatch of sequences, all cut the
 same way) is cut into the token slices `slices` (any lengths, e.g. a
 `zpp_jax.pipeline.plan_tokens` plan) which flow through the stages.
 
@@ -36,7 +37,8 @@ gradients averaged by an all-reduce.
 Memory per device: the stage's parameters (with `zero`, 1/(node x local)
 of them, plus the held full weights of its layers/K layers in their own
 dtype during a step), a key/value cache of 2 x layers/K x batch x
-(seq + longest slice) x d_model, and autodiff's residuals for every step.
+(seq + longest slice) x `kv_width` (d_model for the GPT, the key/value
+heads' width for the Llama), and autodiff's residuals for every step.
 """
 
 from __future__ import annotations
@@ -55,18 +57,19 @@ from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.layer import ShardedLayer
 from zpp_jax.mesh import AXES, STAGE
-from zpp_jax.models.gpt import GPT
 from zpp_jax.partition import FlatLayout
+from zpp_jax.pipeline.decoders import PipelineDecoder, decoder_for
 
 
 class TokenPipeline:
-    """Loss and gradients of a `GPT` trained as a token-level pipeline.
+    """Loss and gradients of a decoder LM trained as a token-level pipeline.
 
     ``params = pipe.params()`` lays the model's parameters out for the mesh
-    (`blocks` reshaped to (K, L/K, ...) and sharded over `stage`; embedding
-    and head replicated); ``loss, grads = pipe.value_and_grad(params, tokens,
-    targets)`` (jitted) returns the mean next-token loss and gradients in the
-    same layout; ``pipe.loss(params, tokens, targets)`` the loss alone.
+    (the layers as `blocks`, stacked to (K, L/K, ...) and sharded over
+    `stage`; the decoder's other parts replicated); ``loss, grads =
+    pipe.value_and_grad(params, tokens, targets)`` (jitted) returns the mean
+    next-token loss and gradients in the same layout; ``pipe.loss(params,
+    tokens, targets)`` the loss alone.
     `tokens`, `targets`: int32 (batch, seq_len). With error feedback use
     ``loss, grads, residuals = pipe.value_grad_residuals(params, residuals,
     tokens, targets)``, starting from ``pipe.init_residuals()``.
@@ -74,10 +77,12 @@ class TokenPipeline:
 
     def __init__(
         self,
-        model: GPT,
+        model: nnx.Module,
         mesh: Mesh,
         slices: Sequence[int],
         zero: ZeroPPConfig | None = None,
+        *,
+        decoder: PipelineDecoder | None = None,
     ) -> None:
         if STAGE not in mesh.axis_names:
             raise UsageError(f"the mesh needs a {STAGE!r} axis, it has {mesh.axis_names}")
@@ -87,7 +92,8 @@ class TokenPipeline:
                 f"{mesh.axis_names}"
             )
         self.stages = mesh.shape[STAGE]
-        cfg = model.cfg
+        self.decoder = decoder if decoder is not None else decoder_for(model)
+        cfg = self.decoder
         if cfg.n_layers % self.stages:
             raise UsageError(
                 f"{cfg.n_layers} layers do not split evenly over {self.stages} stages; "
@@ -101,26 +107,21 @@ class TokenPipeline:
                 f"the slices {slices} add up to {sum(slices)} tokens, the model's "
                 f"sequences have {cfg.seq_len}"
             )
-        self.mesh, self.cfg, self.slices = mesh, cfg, slices
+        self.mesh, self.slices = mesh, slices
         self.per_stage = cfg.n_layers // self.stages
         # The data-parallel axes inside a stage (none on a stage-only mesh).
         self.dp_axes = tuple(a for a in AXES if a in mesh.axis_names)
         self.dp = int(np.prod([mesh.shape[a] for a in self.dp_axes]))
-        self._graph = {
-            name: nnx.split(getattr(model, name), nnx.Param, ...)
-            for name in ("embed", "blocks", "head")
-        }
+        self._graph = {name: _split(part) for name, part in cfg.parts(model).items()}
+        # Parts outside the layer stack: replicated, run on the first or last stage.
+        self._outer = tuple(name for name in self._graph if name != "blocks")
         self.zero = zero
         if zero is not None:
             self.layout = FlatLayout.from_tree(
                 self._graph["blocks"][1], self.dp, stacked=True, align=zero.alignment
             )
-            block_def, _, block_rest = self._graph["blocks"]
-
-            def block(p, x):
-                return nnx.merge(block_def, p, block_rest)(x)
-
-            self.layer = ShardedLayer(block, self.layout, zero, compute_dtype=None)
+            # Only `held` is used: the pipeline runs the layers itself.
+            self.layer = ShardedLayer(_not_called, self.layout, zero, compute_dtype=None)
         self.value_and_grad = jax.jit(self._value_and_grad)
         self.value_grad_residuals = jax.jit(self._value_grad_residuals)
         self.loss = jax.jit(self._loss)
@@ -161,7 +162,7 @@ class TokenPipeline:
         return NamedSharding(self.mesh, P(self.dp_axes) if self.dp_axes else P())
 
     def unstack(self, grads_or_params: dict) -> dict:
-        """`blocks` back to the model's (L, ...) layout."""
+        """`blocks` back to a (L, ...) stack of the layers' parameters."""
         out = dict(grads_or_params)
         blocks = grads_or_params["blocks"]
         if self.zero is not None:
@@ -201,13 +202,13 @@ class TokenPipeline:
             loss, (grads, res) = jax.value_and_grad(self._local_loss, argnums=(0, 1))(
                 params, res, tokens, targets
             )
-            # Embedding and head are replicated: their gradient is the sum of
+            # The outer parts are replicated: their gradient is the sum of
             # every stage's (zero except on the first / last stage), averaged
             # over the data-parallel devices. ZeRO layers reduce their own;
             # replicated layers are averaged here.
-            for name in ("embed", "head"):
+            for name in self._outer:
                 grads[name] = lax.psum(grads[name], STAGE)
-            for name in ("embed", "head") if zero else ("embed", "blocks", "head"):
+            for name in self._outer if zero else (*self._outer, "blocks"):
                 if dp:
                     grads[name] = lax.pmean(grads[name], dp)
             grads["blocks"] = jax.tree.map(lambda a: a[None], grads["blocks"])
@@ -259,26 +260,27 @@ class TokenPipeline:
 
     def _local_loss(self, params, residuals, tokens, targets):
         """This stage's share of the mean loss (non-zero on the last stage)."""
-        cfg, k_stages, slices = self.cfg, self.stages, self.slices
+        dec, k_stages, slices = self.decoder, self.stages, self.slices
         b = tokens.shape[0]
         m = len(slices)
         starts = np.concatenate([[0], np.cumsum(slices)[:-1]]).astype(np.int32)
         pmax = max(slices)
-        seq = cfg.seq_len
+        seq = dec.seq_len
         stage = lax.axis_index(STAGE)
         first, last = stage == 0, stage == k_stages - 1
 
-        embed = nnx.merge(self._graph["embed"][0], params["embed"], self._graph["embed"][2])
-        head = nnx.merge(self._graph["head"][0], params["head"], self._graph["head"][2])
+        outer = {
+            name: nnx.merge(self._graph[name][0], params[name], self._graph[name][2])
+            for name in self._outer
+        }
         block_def, _, block_rest = self._graph["blocks"]
         weights = self._stage_weights(params["blocks"], residuals)
-        dtype = jnp.dtype(cfg.dtype)
+        dtype = dec.dtype
         # Room past the sequence: padded rows and idle stages write there.
         tokens = jnp.pad(tokens, ((0, 0), (0, pmax)))
         targets = jnp.pad(targets, ((0, 0), (0, pmax)))
-        positions = jnp.pad(embed.positions[...], ((0, pmax), (0, 0)))
-        cache = jnp.zeros((self.per_stage, 2, b, seq + pmax, cfg.d_model), dtype)
-        carry = jnp.zeros((b, pmax, cfg.d_model), dtype)
+        cache = jnp.zeros((self.per_stage, 2, b, seq + pmax, dec.kv_width), dtype)
+        carry = jnp.zeros((b, pmax, dec.d_model), dtype)
         total = jnp.zeros((), jnp.float32)
 
         for step in range(m + k_stages - 1):
@@ -292,17 +294,15 @@ class TokenPipeline:
             length = jnp.where(on, jnp.asarray(slices, np.int32)[ic], 0)
 
             tok = lax.dynamic_slice_in_dim(tokens, start, pad, axis=1)
-            pos = lax.dynamic_slice_in_dim(positions, start, pad, axis=0)
-            x0 = (embed.tokens(tok) + pos.astype(embed.dtype)).astype(dtype)
-            x = jnp.where(first, x0, carry[:, :pad])
+            x = jnp.where(first, dec.embed(outer, tok, start), carry[:, :pad])
 
             def layer(x, xs, start=start, keys=keys):
                 p, kv = xs
-                return _cached_block(nnx.merge(block_def, p, block_rest), x, kv, start, keys)
+                return dec.layer(nnx.merge(block_def, p, block_rest), x, kv, start, keys)
 
             x, cache = lax.scan(layer, x, (weights, cache))
 
-            logits = head(x)
+            logits = dec.head(outer, x)
             tgt = lax.dynamic_slice_in_dim(targets, start, pad, axis=1)
             logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
             nll = -jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
@@ -310,29 +310,27 @@ class TokenPipeline:
             total = total + jnp.where(last, jnp.sum(jnp.where(valid, nll, 0.0)), 0.0)
 
             if step + 1 < m + k_stages - 1:
-                out = jnp.zeros((b, pmax, cfg.d_model), dtype).at[:, :pad].set(x)
+                out = jnp.zeros((b, pmax, dec.d_model), dtype).at[:, :pad].set(x.astype(dtype))
                 perm = [(s, s + 1) for s in range(k_stages - 1)]
                 carry = lax.ppermute(out, STAGE, perm) if perm else out
         return total / (b * seq)
 
 
-def _cached_block(blk, x, kv, start, keys):
-    """One GPT block on a slice x (b, t, d) at positions start..start+t-1,
-    attending to the cached keys/values of positions < `keys` (static) plus
-    itself; returns (y, kv with this slice's keys and values written)."""
-    b, t, d = x.shape
-    nh = blk.n_heads
-    hd = d // nh
-    q, k, v = jnp.split(blk.qkv(blk.ln1(x)), 3, axis=-1)
-    kv = kv.at[0].set(lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv.dtype), start, axis=1))
-    kv = kv.at[1].set(lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv.dtype), start, axis=1))
-    keys_ = kv[0, :, :keys].astype(k.dtype).reshape(b, keys, nh, hd)
-    vals = kv[1, :, :keys].astype(v.dtype).reshape(b, keys, nh, hd)
-    q = q.reshape(b, t, nh, hd)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, keys_).astype(jnp.float32) / jnp.sqrt(hd)
-    allowed = jnp.arange(keys)[None, :] <= (start + jnp.arange(t))[:, None]
-    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(vals.dtype)
-    att = jnp.einsum("bhqk,bkhd->bqhd", probs, vals).reshape(b, t, d)
-    x = x + blk.proj(att).astype(x.dtype)
-    return x + blk.out(jax.nn.gelu(blk.fc(blk.ln2(x)))).astype(x.dtype), kv
+def _split(part) -> tuple:
+    """(graphdef, params, rest) of a part; a list of identical layers is
+    stacked along a leading layer axis, like an `nnx.vmap` stack."""
+    if not isinstance(part, (list, tuple, nnx.List)):
+        return nnx.split(part, nnx.Param, ...)
+    splits = [nnx.split(layer, nnx.Param, ...) for layer in part]
+    graphdef, _, rest = splits[0]
+    shapes = [jax.tree.map(jnp.shape, s[1]) for s in splits]
+    if any(s[0] != graphdef or shape != shapes[0] for s, shape in zip(splits, shapes, strict=True)):
+        raise UsageError(
+            "the token pipeline stacks the layers, so they must be identical in structure "
+            "and shapes; these differ"
+        )
+    return graphdef, jax.tree.map(lambda *a: jnp.stack(a), *(s[1] for s in splits)), rest
+
+
+def _not_called(params, x):
+    raise AssertionError("TokenPipeline runs its layers through its decoder")
