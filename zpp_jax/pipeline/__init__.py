@@ -1,6 +1,7 @@
 """TeraPipe: token-level pipeline parallelism (planner, cost models, runtime)."""
 
 from zpp_jax.pipeline.cost import AnalyticCost, FittedCost, load_cost, save_cost
+from zpp_jax.pipeline.decoders import PipelineDecoder, decoder_for
 from zpp_jax.pipeline.planner import (
     BatchPlan,
     Plan,
@@ -19,6 +20,7 @@ __all__ = [
     "AnalyticCost",
     "BatchPlan",
     "FittedCost",
+    "PipelineDecoder",
     "PipelineTrainer",
     "Plan",
     "STAGE",
@@ -26,6 +28,7 @@ __all__ = [
     "best_uniform",
     "brute_force",
     "calibrate_step_overhead",
+    "decoder_for",
     "latency",
     "load_cost",
     "plan_batch",
