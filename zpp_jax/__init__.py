@@ -5,76 +5,59 @@ The engine: `shard` / `shard_linen` for any Flax model, `Trainer` and
 `Checkpointer` around them, and the lower-level pieces they are built from
 (`ShardedLayer`, the layouts, `collectives`, `quant`). Reference models live
 in `zpp_jax.models`.
+
+Importing the package is cheap: each name is imported from its module (and
+JAX with it) on first use, so `zpp plan` and `zpp launch` start without JAX.
 """
 
-from zpp_jax import collectives, distributed, pipeline, quant
-from zpp_jax.checkpoint import Checkpointer
-from zpp_jax.config import ZeroPPConfig
-from zpp_jax.data import ByteDataset, host_to_global, load_text, stdlib_corpus
-from zpp_jax.distributed import DistributedConfig, initialize, node_mesh
-from zpp_jax.errors import UsageError
-from zpp_jax.layer import ShardedLayer, scan_layers, stack_value_and_grad
-from zpp_jax.mesh import AXES, LOCAL, NODE, STAGE, make_mesh, make_pipeline_mesh, mesh_shape
-from zpp_jax.partition import FlatLayout, ParamLayout, shard_params, shard_spec, unshard_params
-from zpp_jax.shard import (
-    FeedbackResidual,
-    batch_sharding,
-    default_units,
-    grad,
-    on_mesh,
-    shard,
-    unshard,
-    value_and_grad,
-)
-from zpp_jax.shard_linen import ShardedLinen, default_linen_units, shard_linen
-from zpp_jax.step_report import step_report
-from zpp_jax.train import Trainer, cross_entropy, next_token_loss
+from __future__ import annotations
+
+from zpp_jax._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AXES",
-    "LOCAL",
-    "NODE",
-    "STAGE",
-    "ByteDataset",
-    "Checkpointer",
-    "DistributedConfig",
-    "FeedbackResidual",
-    "FlatLayout",
-    "ParamLayout",
-    "ShardedLayer",
-    "ShardedLinen",
-    "Trainer",
-    "UsageError",
-    "ZeroPPConfig",
-    "batch_sharding",
-    "collectives",
-    "cross_entropy",
-    "default_linen_units",
-    "default_units",
-    "distributed",
-    "grad",
-    "host_to_global",
-    "initialize",
-    "load_text",
-    "make_mesh",
-    "make_pipeline_mesh",
-    "mesh_shape",
-    "next_token_loss",
-    "node_mesh",
-    "on_mesh",
-    "pipeline",
-    "quant",
-    "scan_layers",
-    "shard",
-    "shard_linen",
-    "shard_params",
-    "shard_spec",
-    "stack_value_and_grad",
-    "stdlib_corpus",
-    "step_report",
-    "unshard",
-    "unshard_params",
-    "value_and_grad",
-]
+_SUBMODULES = ("collectives", "distributed", "pipeline", "quant")
+_EXPORTS = {
+    "Checkpointer": "zpp_jax.checkpoint",
+    "ZeroPPConfig": "zpp_jax.config",
+    "ByteDataset": "zpp_jax.data",
+    "host_to_global": "zpp_jax.data",
+    "load_text": "zpp_jax.data",
+    "stdlib_corpus": "zpp_jax.data",
+    "DistributedConfig": "zpp_jax.distributed",
+    "initialize": "zpp_jax.distributed",
+    "node_mesh": "zpp_jax.distributed",
+    "UsageError": "zpp_jax.errors",
+    "ShardedLayer": "zpp_jax.layer",
+    "scan_layers": "zpp_jax.layer",
+    "stack_value_and_grad": "zpp_jax.layer",
+    "AXES": "zpp_jax.mesh",
+    "LOCAL": "zpp_jax.mesh",
+    "NODE": "zpp_jax.mesh",
+    "STAGE": "zpp_jax.mesh",
+    "make_mesh": "zpp_jax.mesh",
+    "make_pipeline_mesh": "zpp_jax.mesh",
+    "mesh_shape": "zpp_jax.mesh",
+    "FlatLayout": "zpp_jax.partition",
+    "ParamLayout": "zpp_jax.partition",
+    "shard_params": "zpp_jax.partition",
+    "shard_spec": "zpp_jax.partition",
+    "unshard_params": "zpp_jax.partition",
+    "FeedbackResidual": "zpp_jax.shard",
+    "batch_sharding": "zpp_jax.shard",
+    "default_units": "zpp_jax.shard",
+    "grad": "zpp_jax.shard",
+    "on_mesh": "zpp_jax.shard",
+    "shard": "zpp_jax.shard",
+    "unshard": "zpp_jax.shard",
+    "value_and_grad": "zpp_jax.shard",
+    "ShardedLinen": "zpp_jax.shard_linen",
+    "default_linen_units": "zpp_jax.shard_linen",
+    "shard_linen": "zpp_jax.shard_linen",
+    "step_report": "zpp_jax.step_report",
+    "Trainer": "zpp_jax.train",
+    "cross_entropy": "zpp_jax.train",
+    "next_token_loss": "zpp_jax.train",
+}
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, _SUBMODULES)

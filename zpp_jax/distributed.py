@@ -23,12 +23,15 @@ import os
 import threading
 import time
 from collections.abc import Callable
-
-import jax
-from jax.sharding import Mesh
+from typing import TYPE_CHECKING
 
 from zpp_jax.errors import UsageError
-from zpp_jax.mesh import make_mesh
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+# JAX is imported by the functions that use it: `DistributedConfig` alone
+# (how `zpp` tells whether it runs in a multi-process job) must not cost it.
 
 ENV_COORDINATOR = "ZPP_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "ZPP_NUM_PROCESSES"
@@ -149,6 +152,8 @@ def initialize(
     aborts the process with a fatal log and a C++ stack trace. Returns the
     config used.
     """
+    import jax
+
     config = DistributedConfig.from_env() if config is None else config
     if config.local_cpu_devices is not None:
         jax.config.update("jax_platforms", "cpu")
@@ -217,6 +222,7 @@ def finish(timeout: int = 300) -> None:
       jax.errors.JaxRuntimeError: a process did not arrive within `timeout`
         seconds (it died, or hangs).
     """
+    import jax
     from jax._src import distributed as jax_distributed
 
     client = jax_distributed.global_state.client
@@ -240,4 +246,8 @@ def finish(timeout: int = 300) -> None:
 def node_mesh() -> Mesh:
     """The (node, local) mesh with one node per process and the process's own
     devices on `local`; in one process, 1 x all devices."""
+    import jax
+
+    from zpp_jax.mesh import make_mesh
+
     return make_mesh(jax.process_count(), jax.local_device_count())

@@ -1,38 +1,28 @@
-"""TeraPipe: token-level pipeline parallelism (planner, cost models, runtime)."""
+"""TeraPipe: token-level pipeline parallelism (planner, cost models, runtime).
 
-from zpp_jax.pipeline.cost import AnalyticCost, FittedCost, load_cost, save_cost
-from zpp_jax.pipeline.decoders import PipelineDecoder, decoder_for
-from zpp_jax.pipeline.planner import (
-    BatchPlan,
-    Plan,
-    best_uniform,
-    brute_force,
-    latency,
-    plan_batch,
-    plan_tokens,
-    uniform_slicing,
-)
-from zpp_jax.pipeline.profile import calibrate_step_overhead
-from zpp_jax.pipeline.runtime import STAGE, TokenPipeline
-from zpp_jax.pipeline.trainer import PipelineTrainer
+Names are imported on first use: the planner and the cost models need only
+NumPy, the runtime, the trainer and the profiler need JAX."""
 
-__all__ = [
-    "AnalyticCost",
-    "BatchPlan",
-    "FittedCost",
-    "PipelineDecoder",
-    "PipelineTrainer",
-    "Plan",
-    "STAGE",
-    "TokenPipeline",
-    "best_uniform",
-    "brute_force",
-    "calibrate_step_overhead",
-    "decoder_for",
-    "latency",
-    "load_cost",
-    "plan_batch",
-    "plan_tokens",
-    "save_cost",
-    "uniform_slicing",
-]
+from zpp_jax._lazy import lazy_exports
+
+_EXPORTS = {
+    "AnalyticCost": "zpp_jax.pipeline.cost",
+    "FittedCost": "zpp_jax.pipeline.cost",
+    "load_cost": "zpp_jax.pipeline.cost",
+    "save_cost": "zpp_jax.pipeline.cost",
+    "BatchPlan": "zpp_jax.pipeline.planner",
+    "Plan": "zpp_jax.pipeline.planner",
+    "best_uniform": "zpp_jax.pipeline.planner",
+    "brute_force": "zpp_jax.pipeline.planner",
+    "latency": "zpp_jax.pipeline.planner",
+    "plan_batch": "zpp_jax.pipeline.planner",
+    "plan_tokens": "zpp_jax.pipeline.planner",
+    "uniform_slicing": "zpp_jax.pipeline.planner",
+    "PipelineDecoder": "zpp_jax.pipeline.decoders",
+    "decoder_for": "zpp_jax.pipeline.decoders",
+    "calibrate_step_overhead": "zpp_jax.pipeline.profile",
+    "STAGE": "zpp_jax.pipeline.runtime",
+    "TokenPipeline": "zpp_jax.pipeline.runtime",
+    "PipelineTrainer": "zpp_jax.pipeline.trainer",
+}
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
