@@ -21,6 +21,12 @@ FULL = zpp.ZeroPPConfig()  # all three techniques, as they come
 FAMILIES = {f.name: f for f in zoo.nnx_families()}
 
 
+LR = 1e-3
+# Of the learning rate per element and step: how far fp32 rounding may carry
+# Adam's updates apart (see test_zero3_equals_one_device).
+_ADAM_SLACK = 1e-4
+
+
 def ndim_mask(params):
     return jax.tree.map(lambda x: x.ndim > 1, params)
 
@@ -29,7 +35,7 @@ def optimizer():
     """What a user writes: clipping by the global norm, AdamW decaying only
     the matrices."""
     return optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1, mask=ndim_mask)
+        optax.clip_by_global_norm(1.0), optax.adamw(LR, weight_decay=0.1, mask=ndim_mask)
     )
 
 
@@ -86,12 +92,16 @@ def _single_device(name, steps):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_zero3_equals_one_device(name, mesh24):
     """10 steps of ZeRO-3 (fp32 wire) with clipping and a masked AdamW: the
-    losses and, after `zpp.unshard`, every parameter tensor equal one
-    device's training to 1e-5; each parameter keeps its path, shape and
-    dtype. Parameters are compared tensor by tensor in norm: Adam's update
-    g / (|g| + eps) turns the fp32 rounding of a gradient element near zero
-    (sums in another order) into a difference of up to the learning rate in
-    that element alone, so a few elements differ by more than their share."""
+    losses equal one device's training to 1e-5, and so does every parameter
+    tensor after `zpp.unshard`, tensor by tensor in norm, give or take 1e-4
+    of the distance Adam can move it (`_ADAM_SLACK`); each parameter keeps
+    its path, shape and dtype. The slack is for Adam's update g / (|g| + eps),
+    which carries the fp32 rounding of a gradient (sums in another order)
+    into the update at the gradient's relative size, not the parameter's: a
+    bias or norm parameter that starts at 0 or 1 has moved only by its ten
+    updates, and differs by up to 1e-4 of itself (seen on AVX-512 CPUs). A
+    wrong gradient moves elements by up to the learning rate per step,
+    10^4 times the slack."""
     family = FAMILIES[name]
     ref_losses, ref = _single_device(name, 10)
     model = zpp.shard(family.make(0), mesh24, EXACT)
@@ -105,7 +115,9 @@ def test_zero3_equals_one_device(name, mesh24):
     assert plain.keys() == want.keys()
     for key, value in plain.items():
         assert value.get_value().sharding.is_fully_replicated
-        assert _norm_rel(value.get_value(), want[key].get_value()) <= 1e-5, key
+        got, ref = np.asarray(value.get_value()), np.asarray(want[key].get_value())
+        slack = _ADAM_SLACK * LR * 10 * np.sqrt(ref.size)
+        assert np.linalg.norm(got - ref) <= 1e-5 * np.linalg.norm(ref) + slack, key
 
 
 def test_error_feedback_residuals_carry_over(mesh24):
