@@ -1,5 +1,6 @@
 """The token-sliced pipelined GPT and Llama against the unpipelined models."""
 
+import dataclasses
 import functools
 
 import jax
@@ -135,6 +136,9 @@ def test_bad_input(reference):
         TokenPipeline(model, _stage_mesh(3), (16, 16))
     with pytest.raises(ValueError, match="'stage' axis"):
         TokenPipeline(model, jax.make_mesh((2,), ("x",), devices=jax.devices()[:2]), (16, 16))
+    long = GPT(dataclasses.replace(CFG, seq_len=600), nnx.Rngs(0))
+    with pytest.raises(ValueError, match="600 slices: .* at most 512 slices"):
+        TokenPipeline(long, _stage_mesh(2), (1,) * 600)
     with pytest.raises(ValueError, match=r"not Linear; .* decoder=\) a PipelineDecoder"):
         TokenPipeline(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), _stage_mesh(2), (16, 16))
 

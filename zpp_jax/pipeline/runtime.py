@@ -60,6 +60,11 @@ from zpp_jax.mesh import AXES, STAGE
 from zpp_jax.partition import FlatLayout
 from zpp_jax.pipeline.decoders import PipelineDecoder, decoder_for
 
+# Each slice adds a pipeline step to the unrolled program: its compile time
+# and size grow with the count (a plan at the automatic granularity has at
+# most 256).
+MAX_SLICES = 512
+
 
 class TokenPipeline:
     """Loss and gradients of a decoder LM trained as a token-level pipeline.
@@ -102,6 +107,13 @@ class TokenPipeline:
         slices = tuple(int(s) for s in slices)
         if not slices or min(slices) <= 0:
             raise UsageError(f"slices must be positive token counts, got {slices}")
+        if len(slices) > MAX_SLICES:
+            raise UsageError(
+                f"{len(slices)} slices: the schedule is unrolled into the compiled program "
+                f"(M + K - 1 pipeline steps for M slices), so at most {MAX_SLICES} slices; "
+                "cut the sequence into fewer, longer slices (`zpp train --slices N` is a "
+                "count of equal slices, --slices 1 is no slicing)"
+            )
         if sum(slices) != cfg.seq_len:
             raise UsageError(
                 f"the slices {slices} add up to {sum(slices)} tokens, the model's "
