@@ -28,7 +28,7 @@ mesh = zpp.node_mesh()
 cfg = GPTConfig.preset("tiny", dtype="float32")
 trainer = zpp.Trainer(GPT(cfg, nnx.Rngs(0)), optax.adamw(3e-3), mesh, zpp.ZeroPPConfig())
 state = trainer.init()
-data = zpp.ByteDataset(zpp.stdlib_corpus(1 << 20), cfg.seq_len)
+data = zpp.TokenDataset(zpp.stdlib_corpus(1 << 20), cfg.seq_len)
 for i in range(5):
     batch = zpp.host_to_global(
         data.batch("train", i, 2 * mesh.size, seed=0), trainer.batch_sharding()

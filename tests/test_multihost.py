@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import corpora
 import jax
 import numpy as np
 import pytest
@@ -55,7 +56,7 @@ def _losses(path):
 def _run_config(steps):
     from zpp_jax.config import ZeroPPConfig
 
-    return RunConfig(zero=ZeroPPConfig(**ZERO), steps=steps, seq_len=16, batch=8)
+    return RunConfig(zero=ZeroPPConfig(**ZERO), steps=steps, seq_len=16, batch=8, vocab_size=300)
 
 
 def _final_state(ckpt_dir, steps):
@@ -116,15 +117,20 @@ def _stop(procs):
 
 @pytest.mark.slow
 def test_two_processes_killed_and_resumed_equal_one(tmp_path):
-    """Two processes (2 x 4 devices, qwZ, hpZ, qgZ and error feedback) train;
-    process 1 is SIGKILLed after checkpoint 2 * every, and the survivor
-    stops within 15 s with exit status 3 and its message. Both restarted
-    with `zpp launch --nodes 2 -- train --resume`, the run ends as one
-    process on 2 x 4 devices ends, never stopped: the same losses up to fp32
-    round-off, each step recorded once, and the same final state bit for
-    bit (its checkpoint restored in this single process)."""
+    """Two processes (2 x 4 devices, qwZ, hpZ, qgZ and error feedback) train
+    on a text of their own with a BPE trained on it (`--tokenizer bpe:300`);
+    each reads only its half of every batch. Process 1 is SIGKILLed after
+    checkpoint 2 * every, and the survivor stops within 15 s with exit
+    status 3 and its message. Both restarted with `zpp launch --nodes 2 --
+    train --resume` (the BPE the checkpoints saved, reused), the run ends as
+    one process on 2 x 4 devices ends, never stopped: the same losses up to
+    fp32 round-off (so the same global batches), each step recorded once,
+    and the same final state bit for bit (its checkpoint restored in this
+    single process)."""
     steps, every = 8, 2
-    args = [*TRAIN, "--steps", str(steps), "--ckpt-every", str(every)]
+    text = corpora.write(tmp_path / "text")
+    args = [*TRAIN, "--data", str(text), "--tokenizer", "bpe:300"]
+    args += ["--steps", str(steps), "--ckpt-every", str(every)]
     one = [*args, "--metrics", str(tmp_path / "one.jsonl"), "--ckpt-dir", str(tmp_path / "c1")]
     single = _zpp(one)
     assert single.returncode == 0, single.stderr[-3000:]
@@ -149,6 +155,9 @@ def test_two_processes_killed_and_resumed_equal_one(tmp_path):
     assert last is not None and 2 * every <= last < steps
     resumed = _zpp(["launch", "--nodes", "2", "--", *two, "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for i, rows in enumerate(("0-3", "4-7")):
+        assert f"process {i} of 2 reads rows {rows} of each batch of 8" in resumed.stderr
+    assert (ckpt / "tokenizer.json").read_text() == (tmp_path / "c1" / "tokenizer.json").read_text()
 
     # The reported loss is a mean over 8 devices, which gloo sums in another
     # order: equal up to 8 units of fp32 round-off (u = 2^-24). Everything

@@ -174,9 +174,9 @@ def test_zeropp_learns_context():
     below the byte-unigram entropy of the validation text, which no model
     that ignores the preceding bytes can reach (cross-entropy >= entropy).
     (ZeRO-3 learning, and ZeRO++'s gap to it, are tests/test_shard_convergence.py's.)"""
-    from zpp_jax import ByteDataset, stdlib_corpus
+    from zpp_jax import TokenDataset, stdlib_corpus
 
-    val = ByteDataset(stdlib_corpus(), CFG.seq_len).splits["val"]
+    val = TokenDataset(stdlib_corpus(), CFG.seq_len).splits["val"]
     p = np.bincount(val, minlength=256) / len(val)
     unigram_entropy = -np.sum(p[p > 0] * np.log(p[p > 0]))
     base = dict(steps=40, eval_every=40, eval_batches=8, progress=False)

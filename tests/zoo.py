@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from zpp_jax.data import ByteDataset, stdlib_corpus
+from zpp_jax.data import TokenDataset, stdlib_corpus
 from zpp_jax.models import Llama, LlamaConfig
 from zpp_jax.train import cross_entropy
 
@@ -39,7 +39,7 @@ _TEXT = None
 def _text_batch(i: int) -> dict:
     global _TEXT
     if _TEXT is None:
-        _TEXT = ByteDataset(stdlib_corpus(1 << 18), SEQ)
+        _TEXT = TokenDataset(stdlib_corpus(1 << 18), SEQ)
     return _TEXT.batch("train", i, BATCH, seed=0)
 
 

@@ -20,7 +20,9 @@ _SUBMODULES = ("collectives", "distributed", "pipeline", "quant")
 _EXPORTS = {
     "Checkpointer": "zpp_jax.checkpoint",
     "ZeroPPConfig": "zpp_jax.config",
-    "ByteDataset": "zpp_jax.data",
+    "BatchLoader": "zpp_jax.data",
+    "TokenDataset": "zpp_jax.data",
+    "make_tokenizer": "zpp_jax.data",
     "host_to_global": "zpp_jax.data",
     "load_text": "zpp_jax.data",
     "stdlib_corpus": "zpp_jax.data",

@@ -156,7 +156,7 @@ def main(argv=None) -> None:
     import shaping
     from jax.experimental import multihost_utils
 
-    from zpp_jax.data import ByteDataset, host_to_global, stdlib_corpus
+    from zpp_jax.data import TokenDataset, host_to_global, stdlib_corpus
     from zpp_jax.models.gpt import GPTConfig
 
     if args.mesh is None:
@@ -174,7 +174,7 @@ def main(argv=None) -> None:
         seq_len=args.seq,
         dtype=args.dtype,
     )
-    data = ByteDataset(stdlib_corpus(4 << 20), args.seq)
+    data = TokenDataset(stdlib_corpus(4 << 20), args.seq)
     lead = jax.process_index() == 0
 
     for method in args.methods:

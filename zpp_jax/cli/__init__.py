@@ -201,6 +201,8 @@ def _train(args) -> int:
             compute_dtype=args.compute_dtype,
             seed=args.seed,
             data=args.data,
+            val_data=args.val_data,
+            tokenizer=args.tokenizer,
             eval_every=args.eval_every,
             eval_batches=args.eval_batches,
             metrics=args.metrics,
@@ -331,7 +333,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--compute-dtype", default="bfloat16", choices=("bfloat16", "float32", "float16")
     )
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--data", default=None, help="train on this text file instead")
+    train.add_argument(
+        "--data",
+        default=None,
+        help="train on this instead of the Python standard library's source: a text file, "
+        "a directory or glob of text files, or token files (.bin uint16, .npy uint16/uint32)",
+    )
+    train.add_argument(
+        "--val-data", default=None, help="validation data (default: the last 5%% of --data)"
+    )
+    train.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="byte (default), bpe:N (a byte-level BPE of N ids trained on the training text), "
+        "or a tokenizer.json; saved with the checkpoints and reused on --resume",
+    )
     train.add_argument("--eval-every", type=int, default=50)
     train.add_argument("--eval-batches", type=int, default=4)
     train.add_argument("--metrics", default=None, help="write JSON lines here")

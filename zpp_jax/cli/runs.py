@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import pathlib
@@ -25,9 +24,9 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from zpp_jax.checkpoint import Checkpointer
+from zpp_jax.data.corpus import expand
+from zpp_jax.data.tokenizer import check_spec
 from zpp_jax.errors import UsageError
 
 # RunConfig fields that do not change what is trained: where output goes,
@@ -38,6 +37,9 @@ _NOT_IDENTITY = frozenset(
     {
         "steps",
         "data",  # the corpus counts by its content, wherever it lies
+        "val_data",
+        "tokenizer",  # by its content too (a path, or bpe:N trained again)
+        "vocab_size",  # the tokenizer's
         "nodes",
         "local",
         "eval_every",
@@ -53,10 +55,11 @@ _NOT_IDENTITY = frozenset(
 )
 
 
-def identity(cfg: Any, tokens: np.ndarray) -> dict[str, Any]:
+def identity(cfg: Any, corpus: dict, tokenizer: dict) -> dict[str, Any]:
     """The run's identity: every `RunConfig` field that changes the math
-    (the ZeRO++ configuration included, the mesh not), the tokenizer, and
-    the corpus by its length and SHA-256 (not by its path)."""
+    (the ZeRO++ configuration included, the mesh not), the tokenizer and
+    the corpus by their content (`Tokenizer.fingerprint`, the corpus's
+    length and SHA-256), not by their paths."""
     out = {
         f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in _NOT_IDENTITY
     }
@@ -64,8 +67,8 @@ def identity(cfg: Any, tokens: np.ndarray) -> dict[str, Any]:
     out["zero"] = {
         f.name: getattr(cfg.zero, f.name) for f in dataclasses.fields(cfg.zero) if f.name != "remat"
     }
-    out["tokenizer"] = "byte"
-    out["corpus"] = {"tokens": int(tokens.size), "sha256": hashlib.sha256(tokens).hexdigest()}
+    out["tokenizer"] = tokenizer
+    out["corpus"] = corpus
     return json.loads(json.dumps(out))  # as it reads back from a checkpoint
 
 
@@ -88,14 +91,17 @@ def check_paths(cfg: Any) -> None:
     """Raise UsageError, naming the path and the problem, unless the data is
     a readable file and the metrics, plot and checkpoint locations can be
     written (a directory where a file goes, or the reverse, is an error)."""
-    if cfg.data:
-        data = pathlib.Path(cfg.data)
-        if not data.exists():
-            raise UsageError(f"--data {data}: no such file")
-        if data.is_dir():
-            raise UsageError(f"--data {data} is a directory; give a text file")
-        if not os.access(data, os.R_OK):
-            raise UsageError(f"--data {data}: not readable")
+    for flag, spec in (("--data", cfg.data), ("--val-data", cfg.val_data)):
+        if not spec:
+            continue
+        try:
+            files = expand(spec)
+        except UsageError as e:
+            raise UsageError(f"{flag} {e}") from None
+        for path in files:
+            if not os.access(path, os.R_OK):
+                raise UsageError(f"{flag} {path}: not readable")
+    check_spec(cfg.tokenizer)
     for flag, path in (("--metrics", cfg.metrics), ("--plot", cfg.plot)):
         if path:
             _check_writable_file(flag, pathlib.Path(path))

@@ -1,8 +1,9 @@
-"""`zpp train`: train a reference language model with ZeRO++ on byte-level text.
+"""`zpp train`: train a reference language model with ZeRO++ on your text.
 
 Three parts, each its own function:
 
-* `build(cfg)`: the data, the model (`--arch gpt` or `llama`), the
+* `build(cfg)`: the data (`zpp_jax.cli.corpus`: text or token files, the
+  tokenizer), the model (`--arch gpt` or `llama`), the
   optimizer, the `Trainer`, the checkpointer, and the state (fresh, or
   restored with ``resume``);
 * `loop(job)`: the steps, with evaluation and checkpoints; yields a record
@@ -31,10 +32,10 @@ import optax
 from flax import nnx
 
 from zpp_jax.checkpoint import Checkpointer
-from zpp_jax.cli import runs
+from zpp_jax.cli import corpus, runs
 from zpp_jax.cli.plan import folded
 from zpp_jax.config import ZeroPPConfig
-from zpp_jax.data import ByteDataset, host_to_global, load_text, stdlib_corpus
+from zpp_jax.data import BatchLoader, TokenDataset, local_rows
 from zpp_jax.errors import UsageError, check_positive_finite, check_positive_ints
 from zpp_jax.mesh import make_mesh
 from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
@@ -63,7 +64,10 @@ class RunConfig:
     weight_decay: float = 0.1
     compute_dtype: str = "bfloat16"
     seed: int = 0
-    data: str | None = None
+    data: str | None = None  # text or token files: a file, a directory or a glob
+    val_data: str | None = None  # default: the last 5% of `data`
+    tokenizer: str = "byte"  # "byte", "bpe:N" or a tokenizer.json path
+    vocab_size: int | None = None  # the model's; `build` sets the tokenizer's
     eval_every: int = 50
     eval_batches: int = 4
     metrics: str | None = None
@@ -123,6 +127,8 @@ class RunConfig:
 def model_config(cfg: RunConfig) -> GPTConfig | LlamaConfig:
     config_class = GPTConfig if cfg.arch == "gpt" else LlamaConfig
     model_cfg = config_class.preset(cfg.model, dtype=cfg.compute_dtype)
+    if cfg.vocab_size is not None:
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=cfg.vocab_size)
     if cfg.seq_len is not None:
         model_cfg = dataclasses.replace(model_cfg, seq_len=cfg.seq_len)
     return model_cfg
@@ -235,7 +241,7 @@ class Job:
 
     cfg: RunConfig
     model_cfg: Any
-    data: ByteDataset
+    data: TokenDataset
     trainer: Trainer
     checkpointer: Checkpointer | None
     state: Any
@@ -244,12 +250,23 @@ class Job:
     train_step: Any = None
     eval_step: Any = None
     slicing: str = ""  # the token pipeline's slices, and how they were chosen
+    corpus: str = ""  # where the tokens come from, for the log
+    val_bytes_per_token: float = 1.0  # of the validation split: for bits per byte
     cross_node_bytes: float = 0.0
     intra_node_bytes: float = 0.0
 
-    def batch(self, split: str, index: int) -> dict:
-        rows = self.data.batch(split, index, self.cfg.batch, self.cfg.seed)
-        return host_to_global(rows, self.trainer.batch_sharding())
+    def batches(self, split: str, start: int, stop: int) -> BatchLoader:
+        """Batches start..stop-1 of a split on the mesh, read ahead by grain
+        threads; this process reads only its own rows."""
+        return BatchLoader(
+            self.data,
+            split,
+            self.cfg.batch,
+            self.cfg.seed,
+            self.trainer.batch_sharding(),
+            start,
+            stop,
+        )
 
 
 def build(cfg: RunConfig, log=print) -> Job:
@@ -257,9 +274,12 @@ def build(cfg: RunConfig, log=print) -> Job:
     Paths and outputs are checked before anything is built (see `runs`)."""
     runs.check_paths(cfg)
     runs.claim(cfg, log, delete=jax.process_index() == 0)
+    text = corpus.load(cfg)
+    cfg = dataclasses.replace(cfg, vocab_size=text.tokenizer.vocab_size)
     model_cfg = model_config(cfg)
-    tokens = load_text(cfg.data) if cfg.data else stdlib_corpus()
-    data = ByteDataset(tokens, model_cfg.seq_len, vocab_size=model_cfg.vocab_size)
+    data = text.dataset(model_cfg.seq_len, model_cfg.vocab_size)
+    if jax.process_index() == 0 and not cfg.resume:
+        corpus.save_tokenizer(cfg, text.tokenizer)
     slicing = ""
     if cfg.stages > 1:
         if model_cfg.n_layers % cfg.stages:
@@ -275,7 +295,7 @@ def build(cfg: RunConfig, log=print) -> Job:
     trainer.check_batch_size(cfg.batch)
     checkpointer = Checkpointer(cfg.ckpt_dir) if cfg.ckpt_dir else None
     state, position = trainer.init(), 0
-    run_identity = runs.identity(cfg, tokens)
+    run_identity = runs.identity(cfg, text.fingerprint, text.tokenizer.fingerprint())
     if cfg.resume:
         restored = runs.restore_latest_intact(
             checkpointer, trainer.abstract_state(), run_identity, log
@@ -294,11 +314,39 @@ def build(cfg: RunConfig, log=print) -> Job:
                 log(f"--resume: checkpoint {position} is the last step (--steps {cfg.steps})")
     job = Job(cfg, model_cfg, data, trainer, checkpointer, state, position, run_identity)
     job.slicing = slicing
-    job.train_step = trainer.train_step.lower(state, job.batch("train", 0)).compile()
-    job.eval_step = trainer.eval_step.lower(state, job.batch("val", 0)).compile()
+    job.val_bytes_per_token = corpus.bytes_per_token(data, text.tokenizer)
+    rows = local_rows(trainer.batch_sharding(), (cfg.batch, model_cfg.seq_len))
+    tok = text.tokenizer
+    job.corpus = (
+        f"{text.source}, tokenizer {cfg.tokenizer} ({tok.vocab_size} ids); "
+        f"{len(data.splits['train']):,} train and {len(data.splits['val']):,} validation "
+        f"tokens; this process reads {len(rows)} of the {cfg.batch} rows of a batch"
+    )
+    if jax.process_count() > 1:  # every process says what it reads, even with --quiet
+        print(
+            f"zpp train: process {jax.process_index()} of {jax.process_count()} reads rows "
+            f"{_ranges(rows)} of each batch of {cfg.batch}",
+            file=sys.stderr,
+            flush=True,
+        )
+    first = {split: next(job.batches(split, 0, 1)) for split in ("train", "val")}
+    job.train_step = trainer.train_step.lower(state, first["train"]).compile()
+    job.eval_step = trainer.eval_step.lower(state, first["val"]).compile()
     moved = summarize(job.train_step.as_text(), cfg.local)
     job.cross_node_bytes, job.intra_node_bytes = moved.cross_node_bytes, moved.intra_node_bytes
     return job
+
+
+def _ranges(rows: list[int]) -> str:
+    """0-3, 8-11 for [0, 1, 2, 3, 8, 9, 10, 11]."""
+    out, i = [], 0
+    while i < len(rows):
+        j = i
+        while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1:
+            j += 1
+        out.append(f"{rows[i]}-{rows[j]}" if j > i else str(rows[i]))
+        i = j + 1
+    return ", ".join(out)
 
 
 # -- loop -------------------------------------------------------------------------
@@ -307,7 +355,8 @@ def build(cfg: RunConfig, log=print) -> Job:
 def loop(job: Job) -> Iterator[dict]:
     """Train from `job.position` to `cfg.steps`; yields each step's record
     (`step`, `loss`, `grad_norm`, `skipped`, `tokens_per_s`,
-    `cross_node_bytes`, and `val_loss` where evaluated). Checkpoints are
+    `cross_node_bytes`, `data_wait_s`: the time the step waited for its
+    batch, and `val_loss` / `val_bpb` (bits per byte) where evaluated). Checkpoints are
     numbered by data position, which every step advances.
 
     A step's record is yielded before its checkpoint is saved, so a consumer
@@ -317,9 +366,12 @@ def loop(job: Job) -> Iterator[dict]:
     step was never recorded, and a resumed run would skip that step."""
     cfg = job.cfg
     tokens_per_step = cfg.batch * job.model_cfg.seq_len
+    batches = job.batches("train", job.position, cfg.steps)
     while job.position < cfg.steps:
         start = time.perf_counter()
-        job.state, metrics = job.train_step(job.state, job.batch("train", job.position))
+        batch = next(batches)
+        waited = time.perf_counter() - start
+        job.state, metrics = job.train_step(job.state, batch)
         loss = float(metrics["loss"])
         elapsed = time.perf_counter() - start
         job.position += 1
@@ -330,10 +382,12 @@ def loop(job: Job) -> Iterator[dict]:
             "skipped": int(metrics["skipped"]),
             "tokens_per_s": tokens_per_step / elapsed,
             "cross_node_bytes": job.cross_node_bytes,
+            "data_wait_s": waited,
         }
         last = job.position == cfg.steps
         if (cfg.eval_every and job.position % cfg.eval_every == 0) or last:
             record["val_loss"] = evaluate(job)
+            record["val_bpb"] = corpus.bits_per_byte(record["val_loss"], job.val_bytes_per_token)
         yield record
         if job.checkpointer and ((cfg.ckpt_every and job.position % cfg.ckpt_every == 0) or last):
             job.checkpointer.save(
@@ -343,10 +397,8 @@ def loop(job: Job) -> Iterator[dict]:
 
 def evaluate(job: Job) -> float:
     """Mean loss over the first `eval_batches` validation batches."""
-    losses = [
-        float(job.eval_step(job.state, job.batch("val", i))) for i in range(job.cfg.eval_batches)
-    ]
-    return float(np.mean(losses))
+    batches = job.batches("val", 0, job.cfg.eval_batches)
+    return float(np.mean([float(job.eval_step(job.state, b)) for b in batches]))
 
 
 # -- output -----------------------------------------------------------------------
@@ -456,6 +508,7 @@ def _warn(message: str) -> None:
 def run(cfg: RunConfig) -> list[dict]:
     """Train; returns the metrics records (also written to `cfg.metrics`)."""
     job = build(cfg, log=_warn)
+    cfg = job.cfg
     output = Output(cfg, job.position)
     if job.position:
         output.log(f"resumed at batch {job.position} from {cfg.ckpt_dir}")
@@ -471,6 +524,7 @@ def run(cfg: RunConfig) -> list[dict]:
         f"{cfg.arch} {cfg.model}: {params:,} parameters; mesh {mesh}; per device per step "
         f"{job.cross_node_bytes:,.0f} B across nodes, {job.intra_node_bytes:,.0f} B inside"
     )
+    output.log(f"data: {job.corpus}")
     records = []
     try:
         for rec in loop(job):

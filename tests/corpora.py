@@ -1,0 +1,125 @@
+"""Corpora the tests make themselves: no download, the same text every time."""
+
+import pathlib
+
+import numpy as np
+
+_WORDS = [
+    "the",
+    "a",
+    "of",
+    "to",
+    "and",
+    "in",
+    "is",
+    "it",
+    "that",
+    "for",
+    "on",
+    "with",
+    "as",
+    "was",
+    "at",
+    "by",
+    "be",
+    "this",
+    "from",
+    "or",
+    "have",
+    "an",
+    "they",
+    "which",
+    "one",
+    "you",
+    "were",
+    "her",
+    "all",
+    "she",
+    "there",
+    "would",
+    "their",
+    "we",
+    "him",
+    "been",
+    "has",
+    "when",
+    "who",
+    "will",
+    "more",
+    "no",
+    "if",
+    "out",
+    "so",
+    "said",
+    "what",
+    "up",
+    "its",
+    "about",
+    "into",
+    "than",
+    "them",
+    "can",
+    "only",
+    "other",
+    "new",
+    "some",
+    "could",
+    "time",
+    "these",
+    "two",
+    "may",
+    "then",
+    "do",
+    "first",
+    "any",
+    "my",
+    "now",
+    "such",
+    "like",
+    "our",
+    "over",
+    "man",
+    "me",
+    "even",
+    "most",
+    "made",
+    "after",
+    "also",
+    "did",
+    "many",
+    "before",
+    "must",
+    "through",
+    "back",
+    "years",
+    "where",
+    "much",
+    "your",
+    "way",
+    "well",
+    "down",
+    "should",
+    "because",
+    "each",
+    "naïve",
+    "café",
+    "über",
+    "déjà",
+    "straße",
+]
+
+
+def text(n_words: int = 40_000, seed: int = 0) -> bytes:
+    """Lines of words drawn with Zipf-like frequencies (some non-ASCII)."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, len(_WORDS) + 1)
+    words = rng.choice(len(_WORDS), size=n_words, p=p / p.sum())
+    lines = [" ".join(_WORDS[w] for w in words[i : i + 12]) for i in range(0, n_words, 12)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def write(folder: pathlib.Path, name: str = "corpus.txt", **kw) -> pathlib.Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_bytes(text(**kw))
+    return path

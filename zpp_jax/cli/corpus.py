@@ -1,0 +1,134 @@
+"""The data of a `zpp train` run: `--data` / `--val-data` read as text or
+token files, `--tokenizer` made (trained, loaded, or the checkpoint's own on
+resume), the train and validation token splits, and what identifies them."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import pathlib
+from typing import Any
+
+from zpp_jax.data import TokenDataset, TokenFiles, Tokenizer, expand, make_tokenizer, read_text
+from zpp_jax.data.corpus import is_token_files, stdlib_corpus
+from zpp_jax.errors import UsageError
+
+VAL_FRACTION = 0.05
+TOKENIZER_FILE = "tokenizer.json"  # in --ckpt-dir, next to the checkpoints
+
+
+@dataclasses.dataclass
+class Corpus:
+    """Token splits (`val` None: held out from the end of `train`), the
+    tokenizer, and the corpus's identity for checkpoints."""
+
+    tokenizer: Tokenizer
+    train: Any
+    val: Any
+    fingerprint: dict
+    source: str
+
+    def dataset(self, seq_len: int, vocab_size: int) -> TokenDataset:
+        return TokenDataset(
+            self.train, seq_len, VAL_FRACTION, vocab_size=vocab_size, val_tokens=self.val
+        )
+
+
+def load(cfg) -> Corpus:
+    """Read `cfg.data` (default: the Python standard library's source) and
+    `cfg.val_data`, and tokenize text with `cfg.tokenizer`. On resume a
+    ``bpe:N`` tokenizer is the one saved in `cfg.ckpt_dir`, not a new one."""
+    saved = _saved_tokenizer(cfg) if cfg.resume else None
+    train_files = expand(cfg.data) if cfg.data else None
+    val_files = expand(cfg.val_data) if cfg.val_data else None
+    kinds = {is_token_files(f) for f in (train_files, val_files) if f is not None}
+    if len(kinds) > 1:
+        raise UsageError("--data and --val-data must both be text or both token files")
+    if kinds == {True}:
+        return _token_files(cfg, train_files, val_files, saved)
+    text = read_text(train_files) if train_files else stdlib_corpus().tobytes()
+    source = f"{len(train_files)} text files" if train_files else "the Python standard library"
+    if val_files:
+        train_text, val_text = text, read_text(val_files)
+    else:
+        split = int(len(text) * (1 - VAL_FRACTION))
+        train_text, val_text = text[:split], text[split:]
+    tokenizer = make_tokenizer(cfg.tokenizer, train_text, saved)
+    _check_saved(cfg, tokenizer, saved)
+    digest = hashlib.sha256(text + (val_text if val_files else b"")).hexdigest()
+    train, val = tokenizer.encode(train_text), tokenizer.encode(val_text)
+    if not train.size or not val.size:
+        raise UsageError(f"--data {cfg.data}: the corpus is empty")
+    fingerprint = {"tokens": int(train.size + val.size), "sha256": digest}
+    return Corpus(tokenizer, train, val, fingerprint, source)
+
+
+def _token_files(cfg, train_files, val_files, saved) -> Corpus:
+    if cfg.tokenizer.startswith("bpe:"):
+        raise UsageError(
+            f"--tokenizer {cfg.tokenizer} trains on text, and --data {cfg.data} holds token "
+            "files: pass the tokenizer.json that made them (--tokenizer PATH), or byte"
+        )
+    tokenizer = make_tokenizer(cfg.tokenizer, None, saved)
+    _check_saved(cfg, tokenizer, saved)
+    train = TokenFiles(train_files)
+    val = TokenFiles(val_files) if val_files else None
+    fingerprint = {"train": train.fingerprint()}
+    if val is not None:
+        fingerprint["val"] = val.fingerprint()
+    return Corpus(tokenizer, train, val, fingerprint, f"{len(train_files)} token files")
+
+
+def bytes_per_token(data: TokenDataset, tokenizer: Tokenizer, piece: int = 1 << 22) -> float:
+    """Mean bytes per token of the validation split (one pass, a piece at a
+    time): a loss in nats per token over this times ln 2 is bits per byte."""
+    lengths = tokenizer.token_bytes
+    view = data.splits["val"]
+    total = 0
+    for a in range(0, len(view), piece):
+        total += int(lengths[view[a : a + piece]].sum())
+    return total / len(view)
+
+
+def bits_per_byte(loss: float, per_token: float) -> float:
+    return loss / math.log(2) / per_token
+
+
+def save_tokenizer(cfg, tokenizer: Tokenizer) -> None:
+    """Keep the run's tokenizer next to its checkpoints (process 0)."""
+    text = tokenizer.to_json()
+    if cfg.ckpt_dir and text is not None:
+        path = pathlib.Path(cfg.ckpt_dir) / TOKENIZER_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def _check_saved(cfg, tokenizer: Tokenizer, saved: pathlib.Path | None) -> None:
+    """On resume: the tokenizer must be the checkpoints' own."""
+    if saved is None:
+        if cfg.resume and tokenizer.to_json() is not None and _has_checkpoints(cfg):
+            raise UsageError(
+                f"--resume: --tokenizer {cfg.tokenizer} does not match the checkpoints in "
+                f"{cfg.ckpt_dir}, which were trained on bytes (no {TOKENIZER_FILE}); resume "
+                "with --tokenizer byte or start a new run in another --ckpt-dir"
+            )
+        return
+    if tokenizer.to_json() != saved.read_text():
+        raise UsageError(
+            f"--resume: --tokenizer {cfg.tokenizer} does not match {saved}, the tokenizer the "
+            f"checkpoints were trained with; resume with --tokenizer {saved} (or the spec the "
+            "run started with) or start a new run in another --ckpt-dir"
+        )
+
+
+def _has_checkpoints(cfg) -> bool:
+    folder = pathlib.Path(cfg.ckpt_dir)
+    return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
+
+
+def _saved_tokenizer(cfg) -> pathlib.Path | None:
+    if not cfg.ckpt_dir:
+        return None
+    path = pathlib.Path(cfg.ckpt_dir) / TOKENIZER_FILE
+    return path if path.is_file() else None

@@ -1,0 +1,23 @@
+"""Data for `zpp train`: where the tokens come from (`corpus`), how text
+becomes tokens (`tokenizer`), the train/validation windows (`dataset`) and
+the batches each process reads onto the mesh (`loader`)."""
+
+from zpp_jax.data.corpus import TokenFiles, expand, load_text, read_text, stdlib_corpus
+from zpp_jax.data.dataset import TokenDataset
+from zpp_jax.data.loader import BatchLoader, host_to_global, local_rows
+from zpp_jax.data.tokenizer import Tokenizer, make_tokenizer, train_bpe
+
+__all__ = [
+    "BatchLoader",
+    "TokenDataset",
+    "TokenFiles",
+    "Tokenizer",
+    "expand",
+    "host_to_global",
+    "load_text",
+    "local_rows",
+    "make_tokenizer",
+    "read_text",
+    "stdlib_corpus",
+    "train_bpe",
+]
