@@ -188,7 +188,8 @@ def test_bad_data_is_named(tmp_path):
 def test_resume_refuses_another_tokenizer(tmp_path):
     """The checkpoints keep their tokenizer (tokenizer.json in --ckpt-dir);
     resuming with another one is refused, naming that file: a BPE of
-    another size, bytes, another tokenizer.json. The saved one resumes."""
+    another size, bytes, another tokenizer.json. The saved one resumes, bit
+    for bit where a run never stopped goes."""
     text = corpora.write(tmp_path / "text")
     ckpt = tmp_path / "ckpt"
     base = RunConfig(
@@ -215,4 +216,8 @@ def test_resume_refuses_another_tokenizer(tmp_path):
     ]:
         with pytest.raises(ValueError, match=message):
             run(dataclasses.replace(resume, tokenizer=tokenizer))
-    assert [r["step"] for r in run(dataclasses.replace(resume, tokenizer=str(saved)))] == [2]
+    resumed = run(dataclasses.replace(resume, tokenizer=str(saved)))
+    straight = run(dataclasses.replace(base, steps=2, ckpt_dir=str(tmp_path / "straight")))
+    assert [r["step"] for r in resumed] == [2]
+    for key in ("loss", "grad_norm", "val_loss", "val_bpb"):  # bit for bit
+        assert resumed[0][key] == straight[1][key], key
