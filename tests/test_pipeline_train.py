@@ -70,19 +70,19 @@ def test_pipelined_llama_training_equals_unpipelined():
 @pytest.mark.slow
 def test_resume_of_a_pipelined_run_is_bitwise(tmp_path):
     """ZeRO++ with error feedback inside the stages (the residuals are part
-    of the state): a run stopped after checkpoint 2 and resumed ends with the
+    of the state): a run stopped after checkpoint 1 and resumed ends with the
     metrics and the state of a run never stopped, bit for bit."""
     zero = ZeroPPConfig(error_feedback=True)
-    cfg = dataclasses.replace(BASE, zero=zero, steps=4, eval_every=2, **PIPE)
+    cfg = dataclasses.replace(BASE, zero=zero, steps=2, eval_every=1, **PIPE)
 
     def train(name, steps, resume=False):
         out = dict(ckpt_dir=str(tmp_path / name), metrics=str(tmp_path / f"{name}.jsonl"))
-        out["ckpt_every"] = 2
+        out["ckpt_every"] = 1
         return run(dataclasses.replace(cfg, steps=steps, resume=resume, **out))
 
-    train("a", 4)
-    train("b", 2)
-    assert [r["step"] for r in train("b", 4, resume=True)] == [3, 4]
+    train("a", 2)
+    train("b", 1)
+    assert [r["step"] for r in train("b", 2, resume=True)] == [2]
     records = {
         k: [json.loads(x) for x in (tmp_path / f"{k}.jsonl").read_text().splitlines()] for k in "ab"
     }
@@ -90,8 +90,8 @@ def test_resume_of_a_pipelined_run_is_bitwise(tmp_path):
         assert [r.get(key) for r in records["a"]] == [r.get(key) for r in records["b"]], key
     target = make_pipeline_trainer(cfg, (4, 4, 8)).abstract_state()
     (sa, ma), (sb, mb) = (Checkpointer(tmp_path / k).restore(target) for k in "ab")
-    assert ma["data_position"] == mb["data_position"] == 4
-    assert PipelineTrainer.steps_done(sa) == 4 and "residuals" in sa
+    assert ma["data_position"] == mb["data_position"] == 2
+    assert PipelineTrainer.steps_done(sa) == 2 and "residuals" in sa
     for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -119,6 +119,32 @@ def test_a_layer_is_gathered_once_per_training_step():
     assert all(c.runs == per_stage for c in gathers)
     assert sum(c.runs for c in cross) / per_stage == 2  # one gather per layer
     assert all(c.runs == per_stage for c in cs if c.kind == "all-to-all")
+
+
+def test_slices_auto_plans_for_the_model(tmp_path):
+    """`--slices auto` plans the run's model with the lockstep objective,
+    from the analytic cost model (the Llama's matmul weights counted) or a
+    cost file, and says which; a count cuts equal slices."""
+    from zpp_jax.cli.train import choose_slices, model_config
+    from zpp_jax.pipeline import FittedCost, save_cost
+
+    for arch in ("gpt", "llama"):
+        cfg = dataclasses.replace(BASE, arch=arch, stages=2, seq_len=64, batch=4, nodes=1)
+        slices, how = choose_slices(cfg, model_config(cfg))
+        assert sum(slices) == 64 and how == "planned (analytic cost model, granularity 1 tokens)"
+    # Times that make slicing pay: a per-slice overhead, little for context.
+    lengths = [1, 2, 4, 8, 16, 32, 64]
+    times = tuple(5e-5 + 1e-5 * n for n in lengths)
+    cost = FittedCost(1, tuple(lengths), times, coef=(0.0, 0.0, 1e-7))
+    save_cost(cost, tmp_path / "cost.json")
+    cfg = dataclasses.replace(cfg, cost=str(tmp_path / "cost.json"))
+    slices, how = choose_slices(cfg, model_config(cfg))
+    assert sum(slices) == 64 and how.startswith(f"planned (cost model {tmp_path}")
+    assert slices == (16, 16, 16, 16)
+    assert choose_slices(dataclasses.replace(cfg, slices="4"), model_config(cfg)) == (
+        (16, 16, 16, 16),
+        "4 equal slices",
+    )
 
 
 def test_bad_pipeline_input_is_refused():
