@@ -127,7 +127,7 @@ def test_two_processes_killed_and_resumed_equal_one(tmp_path):
     fp32 round-off (so the same global batches), each step recorded once,
     and the same final state bit for bit (its checkpoint restored in this
     single process)."""
-    steps, every = 8, 2
+    steps, every = 6, 2
     text = corpora.write(tmp_path / "text")
     args = [*TRAIN, "--data", str(text), "--tokenizer", "bpe:300"]
     args += ["--steps", str(steps), "--ckpt-every", str(every)]
