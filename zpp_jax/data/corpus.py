@@ -4,6 +4,7 @@ uint32), the latter memory-mapped and never read whole into memory."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import pathlib
@@ -16,9 +17,11 @@ from zpp_jax.errors import UsageError
 TOKEN_SUFFIXES = (".bin", ".npy")
 
 
+@functools.lru_cache(maxsize=4)
 def stdlib_corpus(max_bytes: int = 16 << 20) -> np.ndarray:
     """Bytes of the Python standard library's own source files (sorted by path,
-    at most `max_bytes`): a real corpus that needs no download."""
+    at most `max_bytes`): a real corpus that needs no download. Read once
+    per process and size; the array is read-only."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
     for path in sorted(root.rglob("*.py")):
@@ -34,7 +37,9 @@ def stdlib_corpus(max_bytes: int = 16 << 20) -> np.ndarray:
             break
     if not chunks:
         raise UsageError(f"no Python source files found under {root}; pass --data FILE")
-    return np.concatenate(chunks)[:max_bytes]
+    out = np.concatenate(chunks)[:max_bytes]
+    out.setflags(write=False)
+    return out
 
 
 def load_text(path: str | pathlib.Path) -> np.ndarray:
