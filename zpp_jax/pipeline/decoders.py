@@ -81,6 +81,22 @@ def decoder_for(model: nnx.Module) -> PipelineDecoder:
     )
 
 
+def split_part(part) -> tuple:
+    """(graphdef, params, rest) of a part; a list of identical layers is
+    stacked along a leading layer axis, like an `nnx.vmap` stack."""
+    if not isinstance(part, (list, tuple, nnx.List)):
+        return nnx.split(part, nnx.Param, ...)
+    splits = [nnx.split(layer, nnx.Param, ...) for layer in part]
+    graphdef, _, rest = splits[0]
+    shapes = [jax.tree.map(jnp.shape, s[1]) for s in splits]
+    if any(s[0] != graphdef or shape != shapes[0] for s, shape in zip(splits, shapes, strict=True)):
+        raise UsageError(
+            "the token pipeline stacks the layers, so they must be identical in structure "
+            "and shapes; these differ"
+        )
+    return graphdef, jax.tree.map(lambda *a: jnp.stack(a), *(s[1] for s in splits)), rest
+
+
 def _attend(q, keys, vals, start, n_keys):
     """Causal attention of q (b, t, h, hd) at positions start.. over the
     first `n_keys` cached positions; keys/vals (b, n_keys, h, hd)."""

@@ -31,9 +31,8 @@ from zpp_jax.errors import UsageError
 from zpp_jax.models.gpt import GPT, GPTConfig
 from zpp_jax.models.llama import Llama, LlamaConfig
 from zpp_jax.pipeline.cost import FittedCost
-from zpp_jax.pipeline.decoders import decoder_for
+from zpp_jax.pipeline.decoders import decoder_for, split_part
 from zpp_jax.pipeline.planner import latency
-from zpp_jax.pipeline.runtime import _split
 
 
 def stage_step_fn(
@@ -52,7 +51,7 @@ def stage_step_fn(
     model = model_class(dataclasses.replace(cfg, n_layers=layers), nnx.Rngs(0))
     dec = decoder_for(model)
     parts = dec.parts(model)
-    block_def, block_params, block_rest = _split(parts.pop("blocks"))
+    block_def, block_params, block_rest = split_part(parts.pop("blocks"))
     keys = context + length
     x = jnp.ones((batch, length, dec.d_model), dec.dtype)
     cache_len = keys if cache_len is None else max(cache_len, keys)

@@ -58,7 +58,7 @@ from zpp_jax.errors import UsageError
 from zpp_jax.layer import ShardedLayer
 from zpp_jax.mesh import AXES, STAGE
 from zpp_jax.partition import FlatLayout
-from zpp_jax.pipeline.decoders import PipelineDecoder, decoder_for
+from zpp_jax.pipeline.decoders import PipelineDecoder, decoder_for, split_part
 
 # Each slice adds a pipeline step to the unrolled program: its compile time
 # and size grow with the count (a plan at the automatic granularity has at
@@ -124,7 +124,7 @@ class TokenPipeline:
         # The data-parallel axes inside a stage (none on a stage-only mesh).
         self.dp_axes = tuple(a for a in AXES if a in mesh.axis_names)
         self.dp = int(np.prod([mesh.shape[a] for a in self.dp_axes]))
-        self._graph = {name: _split(part) for name, part in cfg.parts(model).items()}
+        self._graph = {name: split_part(part) for name, part in cfg.parts(model).items()}
         # Parts outside the layer stack: replicated, run on the first or last stage.
         self._outer = tuple(name for name in self._graph if name != "blocks")
         self.zero = zero
@@ -326,22 +326,6 @@ class TokenPipeline:
                 perm = [(s, s + 1) for s in range(k_stages - 1)]
                 carry = lax.ppermute(out, STAGE, perm) if perm else out
         return total / (b * seq)
-
-
-def _split(part) -> tuple:
-    """(graphdef, params, rest) of a part; a list of identical layers is
-    stacked along a leading layer axis, like an `nnx.vmap` stack."""
-    if not isinstance(part, (list, tuple, nnx.List)):
-        return nnx.split(part, nnx.Param, ...)
-    splits = [nnx.split(layer, nnx.Param, ...) for layer in part]
-    graphdef, _, rest = splits[0]
-    shapes = [jax.tree.map(jnp.shape, s[1]) for s in splits]
-    if any(s[0] != graphdef or shape != shapes[0] for s, shape in zip(splits, shapes, strict=True)):
-        raise UsageError(
-            "the token pipeline stacks the layers, so they must be identical in structure "
-            "and shapes; these differ"
-        )
-    return graphdef, jax.tree.map(lambda *a: jnp.stack(a), *(s[1] for s in splits)), rest
 
 
 def _not_called(params, x):
