@@ -80,15 +80,10 @@ def _token_files(cfg, train_files, val_files, saved) -> Corpus:
     return Corpus(tokenizer, train, val, fingerprint, f"{len(train_files)} token files")
 
 
-def bytes_per_token(data: TokenDataset, tokenizer: Tokenizer, piece: int = 1 << 22) -> float:
-    """Mean bytes per token of the validation split (one pass, a piece at a
-    time): a loss in nats per token over this times ln 2 is bits per byte."""
-    lengths = tokenizer.token_bytes
-    view = data.splits["val"]
-    total = 0
-    for a in range(0, len(view), piece):
-        total += int(lengths[view[a : a + piece]].sum())
-    return total / len(view)
+def bytes_per_token(data: TokenDataset, tokenizer: Tokenizer) -> float:
+    """Mean bytes per token of the validation split: a loss in nats per
+    token over this times ln 2 is bits per byte."""
+    return data.bytes_per_token("val", tokenizer.token_bytes)
 
 
 def bits_per_byte(loss: float, per_token: float) -> float:

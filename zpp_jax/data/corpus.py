@@ -113,10 +113,6 @@ class TokenFiles:
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    @property
-    def size(self) -> int:
-        return len(self)
-
     def __getitem__(self, key: slice) -> np.ndarray:
         if not isinstance(key, slice) or key.step not in (None, 1):
             raise TypeError("TokenFiles supports contiguous slices only")
@@ -131,13 +127,6 @@ class TokenFiles:
             if b > a:
                 out.append(np.asarray(self.parts[i][a:b], self.dtype))
         return np.concatenate(out) if out else np.zeros(0, self.dtype)
-
-    def chunks(self, start: int = 0, stop: int | None = None, size: int = 1 << 22):
-        """(offset, tokens) in pieces of at most `size` tokens: a pass over
-        the data that holds one piece at a time."""
-        stop = len(self) if stop is None else stop
-        for a in range(start, stop, size):
-            yield a, self[a : min(a + size, stop)]
 
     def where(self, position: int) -> tuple[pathlib.Path, int]:
         """The file and the position in it of a global token position."""

@@ -69,6 +69,12 @@ class TokenDataset:
             windows[r] = view[int(starts[r]) : int(starts[r]) + self.seq_len + 1]
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
+    def bytes_per_token(self, split: str, token_bytes: np.ndarray) -> float:
+        """Mean of `token_bytes` (bytes per id, `Tokenizer.token_bytes`) over
+        the split's tokens: one pass, a piece at a time."""
+        view = self.splits[split]
+        return sum(int(token_bytes[piece].sum()) for _, piece in view.pieces()) / len(view)
+
 
 class _View:
     """tokens[start:stop] without copying: slices read through."""
@@ -89,9 +95,14 @@ class _View:
         out = self[:]
         return out if dtype is None else out.astype(dtype)
 
-    def check_vocab(self, vocab_size: int, piece: int = 1 << 22) -> None:
-        for a in range(0, len(self), piece):
-            chunk = self[a : a + piece]
+    def pieces(self, size: int = 1 << 22):
+        """(offset, tokens) in pieces of at most `size` tokens: a pass over
+        the split that holds one piece at a time."""
+        for a in range(0, len(self), size):
+            yield a, self[a : a + size]
+
+    def check_vocab(self, vocab_size: int) -> None:
+        for a, chunk in self.pieces():
             if chunk.size and int(chunk.max()) >= vocab_size:
                 first = int(np.argmax(chunk >= vocab_size))
                 at = self.start + a + first

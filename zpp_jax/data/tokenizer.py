@@ -34,7 +34,6 @@ class Tokenizer:
     (None for bytes) and `fingerprint()` (what a checkpoint records: the
     vocabulary size and a SHA-256 of the JSON, not where it came from)."""
 
-    kind: str
     vocab_size: int
 
     def encode(self, data: bytes) -> np.ndarray:
@@ -58,7 +57,7 @@ class Tokenizer:
 
 
 class ByteTokenizer(Tokenizer):
-    kind, vocab_size = "byte", BYTE_VOCAB
+    vocab_size = BYTE_VOCAB
 
     def encode(self, data: bytes) -> np.ndarray:
         return np.frombuffer(data, np.uint8)
@@ -69,11 +68,10 @@ class ByteTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """A `tokenizers.Tokenizer`: one trained here (`kind` "bpe") or loaded
-    from a file ("json")."""
+    """A `tokenizers.Tokenizer`: one trained here or loaded from a file."""
 
-    def __init__(self, tok, kind: str) -> None:
-        self.tok, self.kind = tok, kind
+    def __init__(self, tok) -> None:
+        self.tok = tok
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, data: bytes) -> np.ndarray:
@@ -118,17 +116,17 @@ def train_bpe(text: bytes, vocab_size: int) -> HFTokenizer:
         show_progress=False,
     )
     tok.train_from_iterator((p.decode("utf-8", errors="replace") for p in _pieces(text)), trainer)
-    return HFTokenizer(tok, "bpe")
+    return HFTokenizer(tok)
 
 
-def load_tokenizer(path: str | pathlib.Path, kind: str = "json") -> HFTokenizer:
+def load_tokenizer(path: str | pathlib.Path) -> HFTokenizer:
     from tokenizers import Tokenizer as _Tok
 
     path = pathlib.Path(path)
     if not path.is_file():
         raise UsageError(f"--tokenizer {path}: no such file (bpe:N trains one, byte uses bytes)")
     try:
-        return HFTokenizer(_Tok.from_file(str(path)), kind)
+        return HFTokenizer(_Tok.from_file(str(path)))
     except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception types
         raise UsageError(f"{path}: not a tokenizers tokenizer.json ({e})") from None
 
@@ -169,7 +167,7 @@ def make_tokenizer(
     if n is None:
         return load_tokenizer(spec)
     if saved is not None and pathlib.Path(saved).is_file():
-        out = load_tokenizer(saved, kind="bpe")
+        out = load_tokenizer(saved)
         if out.vocab_size != n:
             raise UsageError(
                 f"--resume: --tokenizer {spec} does not match {saved}, the BPE of "

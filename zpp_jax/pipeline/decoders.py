@@ -116,14 +116,22 @@ def _write(kv, k, v, start, keys):
     return kv, kv[0, :, :keys].astype(k.dtype), kv[1, :, :keys].astype(v.dtype)
 
 
-class _GPTDecoder(PipelineDecoder):
-    """`zpp_jax.models.gpt.GPT`: learned positions, one fused qkv matmul."""
+class _ModelsDecoder(PipelineDecoder):
+    """A family of `zpp_jax.models`, its sizes read from its config."""
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg
         self.n_layers, self.seq_len, self.d_model = cfg.n_layers, cfg.seq_len, cfg.d_model
         self.dtype = jnp.dtype(cfg.dtype)
-        self.kv_width = cfg.d_model
+        self.kv_width = self._kv_width(cfg)
+
+
+class _GPTDecoder(_ModelsDecoder):
+    """`zpp_jax.models.gpt.GPT`: learned positions, one fused qkv matmul."""
+
+    @staticmethod
+    def _kv_width(cfg) -> int:
+        return cfg.d_model
 
     def parts(self, model):
         return {"embed": model.embed, "blocks": model.blocks, "head": model.head}
@@ -153,15 +161,13 @@ class _GPTDecoder(PipelineDecoder):
         return parts["head"](x)
 
 
-class _LlamaDecoder(PipelineDecoder):
+class _LlamaDecoder(_ModelsDecoder):
     """`zpp_jax.models.llama.Llama`: rotary positions at the slice's offset,
     grouped key/value heads (the cache holds only the n_kv_heads)."""
 
-    def __init__(self, cfg) -> None:
-        self.cfg = cfg
-        self.n_layers, self.seq_len, self.d_model = cfg.n_layers, cfg.seq_len, cfg.d_model
-        self.dtype = jnp.dtype(cfg.dtype)
-        self.kv_width = cfg.n_kv_heads * cfg.head_dim
+    @staticmethod
+    def _kv_width(cfg) -> int:
+        return cfg.n_kv_heads * cfg.head_dim
 
     def parts(self, model):
         return {

@@ -1,4 +1,4 @@
-"""Training a GPT as a token pipeline: the compiled step, like `Trainer`'s.
+"""Training a decoder LM as a token pipeline: the compiled step, like `Trainer`'s.
 
 `PipelineTrainer(model, optimizer, mesh, slices, config)` lays the model out
 for a (`stage`, `node`, `local`) mesh through a `TokenPipeline` and compiles
@@ -26,12 +26,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError, check_positive_finite
-from zpp_jax.models.gpt import GPT
 from zpp_jax.pipeline.runtime import TokenPipeline
 from zpp_jax.train import clip_to_norm
 
@@ -39,7 +39,8 @@ State = dict[str, Any]
 
 
 class PipelineTrainer:
-    """Compiled training and evaluation steps of a `GPT` trained as a token
+    """Compiled training and evaluation steps of a decoder (a `GPT`, a
+    `Llama`, or a model with a `PipelineDecoder`) trained as a token
     pipeline over the `stage` axis of `mesh`, cut into `slices`.
 
     `config`: ZeRO inside the stages (each stage's layers sharded over its
@@ -54,7 +55,7 @@ class PipelineTrainer:
 
     def __init__(
         self,
-        model: GPT,
+        model: nnx.Module,
         optimizer: optax.GradientTransformation,
         mesh: Mesh,
         slices: Sequence[int],
