@@ -97,11 +97,10 @@ class TokenPipeline:
                 f"{mesh.axis_names}"
             )
         self.stages = mesh.shape[STAGE]
-        self.decoder = decoder if decoder is not None else decoder_for(model)
-        cfg = self.decoder
-        if cfg.n_layers % self.stages:
+        dec = self.decoder = decoder if decoder is not None else decoder_for(model)
+        if dec.n_layers % self.stages:
             raise UsageError(
-                f"{cfg.n_layers} layers do not split evenly over {self.stages} stages; "
+                f"{dec.n_layers} layers do not split evenly over {self.stages} stages; "
                 "use a number of stages that divides the layer count"
             )
         slices = tuple(int(s) for s in slices)
@@ -114,17 +113,17 @@ class TokenPipeline:
                 "cut the sequence into fewer, longer slices (`zpp train --slices N` is a "
                 "count of equal slices, --slices 1 is no slicing)"
             )
-        if sum(slices) != cfg.seq_len:
+        if sum(slices) != dec.seq_len:
             raise UsageError(
                 f"the slices {slices} add up to {sum(slices)} tokens, the model's "
-                f"sequences have {cfg.seq_len}"
+                f"sequences have {dec.seq_len}"
             )
         self.mesh, self.slices = mesh, slices
-        self.per_stage = cfg.n_layers // self.stages
+        self.per_stage = dec.n_layers // self.stages
         # The data-parallel axes inside a stage (none on a stage-only mesh).
         self.dp_axes = tuple(a for a in AXES if a in mesh.axis_names)
         self.dp = int(np.prod([mesh.shape[a] for a in self.dp_axes]))
-        self._graph = {name: split_part(part) for name, part in cfg.parts(model).items()}
+        self._graph = {name: split_part(part) for name, part in dec.parts(model).items()}
         # Parts outside the layer stack: replicated, run on the first or last stage.
         self._outer = tuple(name for name in self._graph if name != "blocks")
         self.zero = zero
