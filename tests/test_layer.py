@@ -20,6 +20,7 @@ from zpp_jax import (
     AXES,
     FlatLayout,
     ShardedLayer,
+    UsageError,
     ZeroPPConfig,
     make_mesh,
     mesh_shape,
@@ -491,3 +492,27 @@ def test_aligned_layer_gradients_match_the_flat_quantization(mesh24, monkeypatch
     # of the largest gradient).
     a, b = np.asarray(by_tensor), np.asarray(by_flat)
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("remat", ["dots", "full"])
+def test_prefetch_changes_the_order_not_the_math(mesh24, remat):
+    """`prefetch=True` (what units do on a GPU mesh) only frees the gathers
+    from waiting for the layer's input and cotangent: with qwZ and hpZ on
+    (the same int8 codes are gathered either way), the loss and gradients
+    equal the tied order's to fp32 round-off. (Gradient quantization would
+    turn a last-bit difference of fusion into a code step, so qgZ is off.)"""
+    from zpp_jax import stack_value_and_grad
+
+    stack, x = _data(mesh24.devices.size)
+    config = ZeroPPConfig(quantize_gradients=False, remat=remat)
+    shards, layout = shard_params(stack, mesh24, stacked=True, align=config.alignment)
+    outs = []
+    for prefetch in (False, True):
+        layer = ShardedLayer(block, layout, config, prefetch=prefetch)
+        f = jax.jit(stack_value_and_grad(layer, mesh24, lambda out, x: loss_fn(out)))
+        outs.append(f(shards, None, x))
+    (loss0, g0, _), (loss1, g1, _) = outs
+    assert abs(float(loss1) - float(loss0)) <= 1e-6 * abs(float(loss0))
+    assert _max_rel(g1, g0) <= 1e-5
+    with pytest.raises(UsageError, match="prefetch must be True or False"):
+        ShardedLayer(block, layout, config, prefetch="yes")

@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
-from zpp_jax import Trainer, ZeroPPConfig, cross_entropy, make_mesh, unshard
+from zpp_jax import Trainer, UsageError, ZeroPPConfig, cross_entropy, make_mesh, unshard
 from zpp_jax.cli.train import RunConfig, run
 from zpp_jax.models import GPT, GPTConfig
 
@@ -250,3 +250,31 @@ def test_metrics_lines_are_strict_json():
         "nonfinite": ["loss", "grad_norm"],
     }
     assert json.loads(json_record({"step": 1, "loss": 2.5})) == {"step": 1, "loss": 2.5}
+
+
+def test_abstract_model_compiles_the_same_step(mesh24):
+    """A Trainer on an nnx.eval_shape model allocates nothing, has the
+    concrete Trainer's state layout (optimizer moments and error-feedback
+    residuals sharded like the parameters) and compiles the same step."""
+    from zpp_jax import step_report
+
+    cfg = ZeroPPConfig(error_feedback=True)
+    concrete = Trainer(GPT(CFG, nnx.Rngs(0)), optax.adamw(1e-3), mesh24, cfg)
+    abstract = Trainer(
+        nnx.eval_shape(lambda: GPT(CFG, nnx.Rngs(0))), optax.adamw(1e-3), mesh24, cfg
+    )
+    want, got = concrete.abstract_state(), abstract.abstract_state()
+    assert jax.tree.structure(want) == jax.tree.structure(got)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        assert (w.shape, w.dtype) == (g.shape, g.dtype)
+        assert w.sharding.is_equivalent_to(g.sharding, w.ndim), (w, g)
+    tokens = jax.ShapeDtypeStruct((16, CFG.seq_len), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+    a, b = step_report(concrete, batch), step_report(abstract, batch)
+    assert a["state_bytes"] == b["state_bytes"] > 0
+    assert (a["cross_node_bytes"], a["intra_node_bytes"]) == (
+        b["cross_node_bytes"],
+        b["intra_node_bytes"],
+    )
+    with pytest.raises(UsageError, match="abstract model"):
+        abstract.init()

@@ -65,6 +65,15 @@ class ShardedLayer:
       * error feedback: the cotangent returned for `residual` is the *new*
         residual (a value, not a derivative): read it from ``jax.grad`` with
         respect to the residual and carry it to the next step.
+      * ordering, by `prefetch`. False: the forward gather waits for the
+        layer's input and the backward re-gather for the layer's cotangent,
+        so a backend that runs a program in order (XLA:CPU) never holds more
+        than about two layers' full weights. True: the forward gather depends
+        on the shard alone and the re-gather on the shard and the saved
+        activations, so a latency-hiding scheduler (XLA:GPU, see
+        `zpp_jax.xla_flags`) can start a layer's gather behind the previous
+        layer's compute, in either pass; it bounds the weights in flight by
+        its memory limit instead. The math is the same either way.
     """
 
     def __init__(
@@ -74,9 +83,13 @@ class ShardedLayer:
         config: ZeroPPConfig,
         compute_dtype=None,
         reduction: str = "mean",
+        prefetch: bool = False,
     ) -> None:
         if reduction not in ("mean", "sum"):
             raise UsageError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if not isinstance(prefetch, bool):
+            raise UsageError(f"prefetch must be True or False, got {prefetch!r}")
+        self.prefetch = prefetch
         self.fn = fn
         self.layout = layout
         self.config = config
@@ -387,7 +400,7 @@ def _tie(saved, g):
     the collective that follows can neither be hoisted before `g` exists
     nor merged with an identical one elsewhere (XLA:CPU drops optimization
     barriers before its last CSE pass). Costs one add over the shard."""
-    floats = [x for x in jax.tree.leaves(g) if jnp.issubdtype(x.dtype, jnp.floating) and x.size]
+    floats = _floats(g)
     if not floats:
         return saved
     zero = jnp.ravel(floats[0])[0].astype(jnp.float32) * 0
@@ -396,6 +409,10 @@ def _tie(saved, g):
         return x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
     return jax.tree.map(tie, saved)
+
+
+def _floats(tree) -> list:
+    return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating) and x.size]
 
 
 # The named recomputation policies ("full" is the layer's own path).
@@ -407,16 +424,19 @@ def _build(layer: ShardedLayer):
     policy = _POLICIES[remat] if isinstance(remat, str) else remat
     fn = layer.fn if policy is None else jax.checkpoint(layer.fn, policy=policy)
 
+    # Tied to the input, so that the gather waits for the layer before:
+    # without it, an in-order backend could gather every layer of an
+    # unrolled list at once and hold all their full weights together.
+    def tied(shard, x):
+        return shard if layer.prefetch else _tie(shard, x)
+
     @jax.custom_vjp
     def apply(shard, residual, x):
-        params, _ = layer._gather_forward(_tie(shard, x))
+        params, _ = layer._gather_forward(tied(shard, x))
         return layer.fn(params, x)
 
     def fwd(shard, residual, x):
-        # Tied to the input, so that the gather waits for the layer before:
-        # without it, layers of an unrolled list could all be gathered at
-        # once and the full weights of every layer be live together.
-        params, secondary = layer._gather_forward(_tie(shard, x))
+        params, secondary = layer._gather_forward(tied(shard, x))
         if remat == "full":
             y, kept = layer.fn(params, x), x
         else:
@@ -426,10 +446,15 @@ def _build(layer: ShardedLayer):
 
     def bwd(res, g):
         saved, residual, kept = res
-        # Tie the re-gather to the cotangent so XLA cannot merge it with the
-        # forward gather (which would keep the full weight alive in between).
-        saved, g = lax.optimization_barrier((saved, g))
-        saved = _tie(saved, g)
+        # The re-gather must not be merged with the forward gather (the full
+        # weight would stay alive in between): tied to the cotangent, it
+        # waits for the later layer's backward pass; tied to the saved
+        # activations (prefetch), it may run behind it.
+        if layer.prefetch:
+            saved = _tie(saved, kept if _floats(kept) else g)
+        else:
+            saved, g = lax.optimization_barrier((saved, g))
+            saved = _tie(saved, g)
         params = layer._gather_backward(saved)
         if remat == "full":
             _, vjp = jax.vjp(layer.fn, params, kept)

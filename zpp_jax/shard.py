@@ -222,6 +222,11 @@ def shard(
     take gradients with `zpp.value_and_grad` (or `zpp.grad`) so that it is
     carried from step to step.
 
+    A model built abstractly (``nnx.eval_shape(lambda: MyModel(...))``) is
+    sharded abstractly: its parameters become `jax.ShapeDtypeStruct`s with
+    their shardings, nothing is allocated, and its steps can be compiled
+    (not run) for a mesh of devices that exist only as a compile target.
+
     Memory per device: each parameter's block (1/N) in its own dtype, whole
     copies of parameters no dimension of which N divides, and with error
     feedback (1 + 1/local) x each unit's size in ``config.residual_dtype``.
@@ -279,8 +284,12 @@ def _make_unit(module, mesh, config, compute_dtype, n):
             if dim is not None and dim >= lead
         ]
         if call:
-            lead_shape = np.shape(params[0][1].get_value())[:1] if stacked else ()
-            module._zpp_residual = FeedbackResidual(zero_residual(config, call, mesh, lead_shape))
+            first = params[0][1].get_value()
+            lead_shape = np.shape(first)[:1] if stacked else ()
+            abstract = isinstance(first, jax.ShapeDtypeStruct)
+            module._zpp_residual = FeedbackResidual(
+                zero_residual(config, call, mesh, lead_shape, abstract)
+            )
     module._zpp = UnitInfo(
         mesh, config, None if compute_dtype is None else jnp.dtype(compute_dtype), tuple(dims)
     )

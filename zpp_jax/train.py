@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError, check_positive_finite
 from zpp_jax.mesh import AXES, mesh_shape
+from zpp_jax.schedule import xla_flags
 from zpp_jax.shard import Policy, batch_sharding, on_mesh, shard, value_and_grad
 
 LossFn = Callable[[nnx.Module, dict], jax.Array]
@@ -94,21 +95,34 @@ class Trainer:
         self.config = ZeroPPConfig() if config is None else config
         self.loss_fn, self.grad_accum = loss_fn, grad_accum
         sharded = shard(model, mesh, self.config, policy, compute_dtype)
-        self._graphdef, state = nnx.split(
-            (sharded, nnx.Optimizer(sharded, optimizer, wrt=nnx.Param))
-        )
         self._param_specs = jax.tree.map(lambda a: a.sharding.spec, nnx.state(sharded, nnx.Param))
-        # Arrays the optimizer made on one device (step counters, schedule
-        # state) go onto the mesh, replicated, so the state lives on it whole.
-        self._state = on_mesh(state, mesh)
+        self.abstract = any(
+            isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(sharded))
+        )
+        if self.abstract:
+            self._graphdef, self._state = _abstract_state(sharded, optimizer, mesh)
+        else:
+            self._graphdef, state = nnx.split(
+                (sharded, nnx.Optimizer(sharded, optimizer, wrt=nnx.Param))
+            )
+            # Arrays the optimizer made on one device (step counters, schedule
+            # state) go onto the mesh, replicated, so the state lives on it whole.
+            self._state = on_mesh(state, mesh)
         self._state_specs = jax.tree.map(lambda a: a.sharding.spec, self._state)
-        self.train_step = jax.jit(self._train_step, donate_argnums=0)
-        self.eval_step = jax.jit(self._eval_step)
+        options = xla_flags(mesh) or None
+        self.train_step = jax.jit(self._train_step, donate_argnums=0, compiler_options=options)
+        self.eval_step = jax.jit(self._eval_step, compiler_options=options)
 
     # -- state -----------------------------------------------------------------
 
     def init(self) -> nnx.State:
         """The state of the sharded model and its optimizer (step 0)."""
+        if self.abstract:
+            raise UsageError(
+                "this Trainer was built on an abstract model (nnx.eval_shape): it has no "
+                "values to start from; compile its steps with trainer.abstract_state(), or "
+                "build the model itself to train it"
+            )
         return self._state
 
     def abstract_state(self) -> nnx.State:
@@ -116,6 +130,21 @@ class Trainer:
         return jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._state
         )
+
+    def compile_step(self, batch: dict, compiler_options: dict | None = None):
+        """`train_step` compiled (not run) for a batch of `batch`'s shapes and
+        dtypes (arrays or `jax.ShapeDtypeStruct`s), laid out as
+        `batch_sharding`: a `jax.stages.Compiled`, whose ``as_text()`` is the
+        optimized, scheduled program and ``memory_analysis()`` its memory.
+        `compiler_options` replace the engine's own (`zpp.xla_flags`) for
+        this compile."""
+        batch = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.batch_sharding()), batch
+        )
+        lowered = self.train_step.lower(self.abstract_state(), batch)
+        if compiler_options is None:
+            return lowered.compile()
+        return lowered.compile(compiler_options=compiler_options)
 
     def model(self, state: nnx.State) -> nnx.Module:
         """The sharded model with `state`'s arrays (use it under `jax.jit`,
@@ -202,6 +231,49 @@ class Trainer:
 
 
 PyTree = Any
+
+
+def _abstract_state(sharded: nnx.Module, optimizer, mesh: Mesh):
+    """The graph definition and the abstract state (shapes, dtypes and
+    shardings) of an abstract sharded model and its optimizer, allocating
+    nothing. The optimizer's leaves that mirror a parameter (Adam's moments:
+    same path below the optimizer state, same shape) get its sharding, as
+    ``jnp.zeros_like`` on the stored parameter gives them; every other leaf
+    (step counters, unmirrored statistics) is replicated over `mesh`, as
+    `on_mesh` places them."""
+    replicated = NamedSharding(mesh, P())
+
+    def or_replicated(a):
+        if getattr(a, "sharding", None) is not None:
+            return a
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
+
+    graphdef, state = nnx.split(sharded)
+    state = jax.tree.map(or_replicated, state)
+    made = {}
+
+    def build(state):
+        model = nnx.merge(graphdef, state)
+        made["graphdef"], out = nnx.split((model, nnx.Optimizer(model, optimizer, wrt=nnx.Param)))
+        return out
+
+    out = jax.eval_shape(build, state)
+    params = {
+        tuple(path): leaf
+        for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(sharded, nnx.Param))
+    }
+    own = {tuple(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state)}
+
+    def placed(path, leaf):
+        if tuple(path[1:]) in own:  # the model's own state, as sharded
+            return own[tuple(path[1:])]
+        for start in range(1, len(path)):
+            param = params.get(tuple(path[start:]))
+            if param is not None and param.shape == leaf.shape:
+                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=param.sharding)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=replicated)
+
+    return made["graphdef"], jax.tree_util.tree_map_with_path(placed, out)
 
 
 def _squared_norm(tree: PyTree, specs: PyTree, mesh: Mesh) -> jax.Array:

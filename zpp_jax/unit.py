@@ -30,6 +30,7 @@ from zpp_jax.errors import UsageError
 from zpp_jax.layer import ShardedLayer
 from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.partition import ParamLayout
+from zpp_jax.schedule import prefetches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +78,16 @@ def spec_along(ndim: int, dim: int | None) -> P:
     return P(*[AXES if i == dim else None for i in range(ndim)])
 
 
-def place(value, mesh: Mesh, dim: int | None) -> jax.Array:
+def place(value, mesh: Mesh, dim: int | None) -> jax.Array | jax.ShapeDtypeStruct:
     """`value` stored split along `dim` over every device of `mesh` (whole
-    on every device when `dim` is None)."""
-    return jax.device_put(value, NamedSharding(mesh, spec_along(np.ndim(value), dim)))
+    on every device when `dim` is None). An abstract value (a
+    `jax.ShapeDtypeStruct`, as `nnx.eval_shape` makes) stays abstract and
+    gains the sharding: nothing is allocated, so a model can be sharded for
+    devices that only exist to compile for."""
+    sharding = NamedSharding(mesh, spec_along(np.ndim(value), dim))
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+    return jax.device_put(value, sharding)
 
 
 def call_layout(config: ZeroPPConfig, params: Sequence[tuple], n: int) -> ParamLayout:
@@ -103,13 +110,21 @@ def residual_size(config: ZeroPPConfig, params: Sequence[tuple], mesh_sizes) -> 
 
 
 def zero_residual(
-    config: ZeroPPConfig, params: Sequence[tuple], mesh: Mesh, lead_shape: tuple = ()
-) -> jax.Array:
+    config: ZeroPPConfig,
+    params: Sequence[tuple],
+    mesh: Mesh,
+    lead_shape: tuple = (),
+    abstract: bool = False,
+) -> jax.Array | jax.ShapeDtypeStruct:
     """A unit's zero error-feedback residual: `residual_size` elements of
     `config.residual_dtype`, split over every device (after `lead_shape`,
-    a stack's layer axis)."""
-    size = residual_size(config, params, mesh_shape(mesh))
-    return place(jnp.zeros(lead_shape + (size,), config.residual_dtype), mesh, len(lead_shape))
+    a stack's layer axis); with `abstract`, its shape, dtype and sharding."""
+    shape = lead_shape + (residual_size(config, params, mesh_shape(mesh)),)
+    if abstract:
+        return place(
+            jax.ShapeDtypeStruct(shape, jnp.dtype(config.residual_dtype)), mesh, len(shape) - 1
+        )
+    return place(jnp.zeros(shape, config.residual_dtype), mesh, len(lead_shape))
 
 
 Run = Callable[[dict, list, tuple, dict], tuple[Any, list]]
@@ -217,7 +232,11 @@ def run_unit(
         if layout is None:
             return fn(None, inputs)
         layer = ShardedLayer(
-            lambda full, x: fn(jax.tree.leaves(full), x), layout, info.config, reduction="sum"
+            lambda full, x: fn(jax.tree.leaves(full), x),
+            layout,
+            info.config,
+            reduction="sum",
+            prefetch=prefetches(info.mesh),
         )
         return layer(layout.pack(layout.treedef.unflatten(blocks)), inputs, residual)
 

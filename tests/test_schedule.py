@@ -1,0 +1,42 @@
+"""Where the engine's compile options and unit ordering come from, and the
+errors of compiling for a GPU without what it needs."""
+
+import pytest
+
+from zpp_jax import UsageError, make_mesh, xla_flags
+from zpp_jax.aot import TARGET_CONFIG_ENV, target_config
+from zpp_jax.schedule import platform, prefetches
+
+
+def test_cpu_mesh_compiles_in_order_with_no_options():
+    mesh = make_mesh(2, 4)
+    assert platform(mesh) == "cpu" and not prefetches(mesh)
+    assert xla_flags(mesh) == {} and xla_flags("tpu") == {}
+
+
+def test_gpu_options_turn_on_the_latency_hiding_scheduler_and_pipeliners():
+    flags = xla_flags("gpu")
+    assert flags["xla_gpu_enable_latency_hiding_scheduler"] is True
+    assert flags["xla_gpu_enable_pipelined_all_gather"] is True
+    assert flags == xla_flags("cuda")
+    flags["xla_gpu_enable_pipelined_all_gather"] = False  # a copy, not the engine's own
+    assert xla_flags("gpu")["xla_gpu_enable_pipelined_all_gather"] is True
+
+
+def test_target_description_errors_name_the_fix(tmp_path, monkeypatch):
+    monkeypatch.delenv(TARGET_CONFIG_ENV, raising=False)
+    with pytest.raises(UsageError, match=TARGET_CONFIG_ENV):
+        target_config()
+    with pytest.raises(UsageError, match="does not exist"):
+        target_config(tmp_path / "missing.txtpb")
+    bad = tmp_path / "bad.txtpb"
+    bad.write_text("not a target\n")
+    with pytest.raises(UsageError, match="not an XLA GPU target description"):
+        target_config(bad)
+    good = tmp_path / "h200.txtpb"
+    good.write_text(
+        "gpu_device_info {\n  threads_per_block_limit: 1024\n}\ncollective_memory_granularity: 4\n"
+    )
+    monkeypatch.setenv(TARGET_CONFIG_ENV, str(good))
+    text = target_config()
+    assert "gpu_device_info" in text and "collective_memory_granularity" not in text

@@ -1,0 +1,47 @@
+"""How the engine asks a compiler to overlap communication with compute.
+
+One place for the XLA options the engine compiles with, per platform, and
+for whether its sharded units let their gathers run ahead (`prefetch`):
+
+* XLA:GPU schedules with its latency-hiding scheduler, which starts an
+  asynchronous collective early enough to run behind independent compute,
+  within a memory limit. Its collective pipeliner moves a loop's weight
+  all-gather one iteration ahead (the next layer's gather behind this
+  layer's compute) and its reductions one iteration behind. The units
+  prefetch: their gathers wait for nothing but the shard.
+* XLA:CPU runs a program in order and its collectives synchronously: no
+  options, and the units tie each gather to the layer's input so that no
+  more than about two layers' full weights are ever alive.
+"""
+
+from __future__ import annotations
+
+from jax.sharding import Mesh
+
+_GPU_OPTIONS = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+}
+
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def platform(mesh: Mesh) -> str:
+    """The platform of `mesh`'s devices ("cpu", "cuda", "rocm", "tpu"),
+    devices that exist only as a compile target included."""
+    return mesh.devices.flat[0].platform
+
+
+def prefetches(mesh: Mesh) -> bool:
+    """Whether units on `mesh` let their gathers run ahead (a GPU mesh)."""
+    return platform(mesh) in _GPU_PLATFORMS
+
+
+def xla_flags(mesh_or_platform: Mesh | str) -> dict:
+    """The XLA options the engine compiles its steps with on this platform
+    (a mesh or a platform name): ``jax.jit(..., compiler_options=...)``.
+    Empty on CPU and TPU."""
+    name = mesh_or_platform if isinstance(mesh_or_platform, str) else platform(mesh_or_platform)
+    return dict(_GPU_OPTIONS) if name in _GPU_PLATFORMS else {}
