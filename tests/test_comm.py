@@ -100,3 +100,68 @@ def test_cli_json(capsys):
         )
     with pytest.raises(SystemExit):
         main(["comm", "--configs"])
+
+
+_SCHEDULED = """\
+HloModule m, is_scheduled=true
+
+%gemm_computation (p0: bf16[64,64], p1: bf16[64,64]) -> bf16[64,64] {
+  %p0 = bf16[64,64]{1,0} parameter(0)
+  %p1 = bf16[64,64]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (param: (s32[], bf16[64,64])) -> (s32[], bf16[64,64]) {
+  %param = (s32[], bf16[64,64]{1,0}) parameter(0)
+  %x = bf16[64,64]{1,0} get-tuple-element(%param), index=1
+  %i = s32[] get-tuple-element(%param), index=0
+  %ag = (u16[8,64]{1,0}, u16[64,64]{1,0}) all-gather-start(%y), ALL8, dimensions={0}, ASYNC
+  %gemm = bf16[64,64]{1,0} fusion(%x, %x), kind=kCustom, calls=%gemm_computation, DOT
+  %agd = u16[64,64]{1,0} all-gather-done(%ag)
+  %a2a = ((u8[8,32]{1,0}), u8[8,32]{1,0}) all-to-all-start(%z), NODE4, dimensions={0}, ASYNC
+  %add = bf16[64,64]{1,0} add(%x, %x)
+  %a2ad = u8[8,32]{1,0} all-to-all-done(%a2a)
+  ROOT %t = (s32[], bf16[64,64]{1,0}) tuple(%i, %gemm)
+}
+
+%cond (param: (s32[], bf16[64,64])) -> pred[] {
+  %param = (s32[], bf16[64,64]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: bf16[64,64]) -> bf16[64,64] {
+  %a = bf16[64,64]{1,0} parameter(0)
+  %w = (s32[], bf16[64,64]{1,0}) while(%init), condition=%cond, body=%body, TRIP6
+  %ar = f32[] all-reduce-start(%s), ALL8, to_apply=%add, SYNC
+  %ard = f32[] all-reduce-done(%ar)
+  ROOT %r = bf16[64,64]{1,0} get-tuple-element(%w), index=1
+}
+"""
+# Long attributes as XLA prints them, spelled once.
+for _key, _text in {
+    "ALL8": "channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}",
+    "NODE4": "channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}",
+    "ASYNC": 'backend_config={"collective_backend_config":{"is_sync":false}}',
+    "SYNC": 'backend_config={"collective_backend_config":{"is_sync":true}}',
+    "DOT": 'metadata={op_name="jit(step)/layer/dot_general"}',
+    "TRIP6": 'backend_config={"known_trip_count":{"n":"6"}}',
+}.items():
+    _SCHEDULED = _SCHEDULED.replace(_key, _text)
+
+
+def test_schedule_overlap_reads_what_runs_behind_each_collective():
+    from zpp_jax.step_report import collectives_in_hlo, overlap_by_kind, schedule_overlap
+
+    scheduled = {s.name: s for s in schedule_overlap(_SCHEDULED)}
+    assert scheduled["ag"].behind == ("jit(step)/layer/dot_general",)
+    assert scheduled["ag"].runs == 6 and scheduled["ag"].is_async
+    assert scheduled["a2a"].behind == ()  # only an add between start and done
+    assert not scheduled["ar"].is_async  # XLA made it synchronous
+    assert overlap_by_kind(list(scheduled.values())) == {
+        "all-gather": (6, 6),
+        "all-to-all": (0, 6),
+        "all-reduce": (0, 1),
+    }
+    # an async start's shape is (operands, results): the bytes are the results'
+    sizes = {c.name: c.result_bytes for c in collectives_in_hlo(_SCHEDULED)}
+    assert sizes == {"ag": 64 * 64 * 2, "a2a": 8 * 32, "ar": 4}

@@ -111,7 +111,10 @@ def collectives_in_hlo(hlo_text: str) -> list[Collective]:
         m = _INSTR.match(line)
         if not m:
             continue
-        arrays = _ARRAY.findall(m.group("shape"))
+        shape = m.group("shape")
+        if m.group("kind") != "all-reduce" and line[m.end() - 7 : m.end()] == "-start(":
+            shape = _async_result(shape)
+        arrays = _ARRAY.findall(shape)
         dtypes = tuple(dt for dt, _ in arrays)
         nbytes = sum(
             math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt]
@@ -128,6 +131,25 @@ def collectives_in_hlo(hlo_text: str) -> list[Collective]:
             )
         )
     return found
+
+
+def _async_result(shape: str) -> str:
+    """The result part of an async start's shape, which XLA:GPU writes as
+    the tuple (operands, results) for every collective but all-reduce."""
+    if not shape.startswith("("):
+        return shape
+    parts, depth, begin = [], 0, 1
+    for i, ch in enumerate(shape):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+        elif ch == "," and depth == 1:
+            parts.append(shape[begin:i])
+            begin = i + 1
+    parts.append(shape[begin : shape.rindex(")")])
+    parts = [p.strip() for p in parts if p.strip()]
+    return parts[-1] if len(parts) == 2 else shape
 
 
 def _runs_per_computation(hlo_text: str) -> dict[str, int]:
@@ -213,17 +235,17 @@ def _groups(line: str) -> tuple[tuple[int, ...], ...]:
 def step_report(trainer, batch: dict) -> dict:
     """Compile `trainer.train_step` for `batch` (arrays or shape/dtype structs,
     nothing is run) and report its collectives, bytes per device per step
-    across and inside nodes, and peak memory per device."""
-    import jax
-
+    across and inside nodes, peak memory per device, and, per collective,
+    the matrix multiplies it is scheduled behind (`schedule_overlap`; none
+    on CPU, whose collectives are synchronous). The trainer may be abstract
+    (built on an ``nnx.eval_shape`` model, for a compile-only mesh)."""
     from zpp_jax.mesh import mesh_shape
 
-    batch = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_sharding()), batch
-    )
-    compiled = trainer.train_step.lower(trainer.abstract_state(), batch).compile()
+    compiled = trainer.compile_step(batch)
     _, local = mesh_shape(trainer.mesh)
-    summary = summarize(compiled.as_text(), local)
+    text = compiled.as_text()
+    summary = summarize(text, local)
+    behind = {s.name: s for s in schedule_overlap(text)}
     ma = compiled.memory_analysis()
     peak = (
         ma.argument_size_in_bytes
@@ -235,7 +257,8 @@ def step_report(trainer, batch: dict) -> dict:
         "cross_node_bytes": summary.cross_node_bytes,
         "intra_node_bytes": summary.intra_node_bytes,
         "peak_memory_bytes": int(peak),
-        "state_bytes": state_bytes_per_device(trainer.init()),
+        "state_bytes": state_bytes_per_device(trainer.abstract_state()),
+        "overlap": {k: list(v) for k, v in overlap_by_kind(list(behind.values())).items()},
         "collectives": [
             {
                 "kind": c.kind,
@@ -245,6 +268,9 @@ def step_report(trainer, batch: dict) -> dict:
                 "replica_groups": [list(g) for g in c.groups],
                 "runs": c.runs,
                 "spans_nodes": c.spans_nodes(local),
+                "async": c.name in behind and behind[c.name].is_async,
+                "behind": list(behind[c.name].behind) if c.name in behind else [],
+                "op": behind[c.name].op if c.name in behind else "",
             }
             for c in summary.collectives
         ],
@@ -252,12 +278,150 @@ def step_report(trainer, batch: dict) -> dict:
 
 
 def state_bytes_per_device(state) -> int:
-    """Bytes of a state tree one device holds (the largest per-device share)."""
+    """Bytes of a state tree one device holds (the largest per-device
+    share): of arrays, or of shape/dtype structs with shardings."""
     import jax
 
     per_device: dict = {}
     for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            shards = leaf.sharding.devices_indices_map(leaf.shape).items()
+            for device, index in shards:
+                size = math.prod(
+                    len(range(*i.indices(n))) for i, n in zip(index, leaf.shape, strict=True)
+                )
+                per_device[device.id] = per_device.get(device.id, 0) + size * leaf.dtype.itemsize
+            continue
         for shard in getattr(leaf, "addressable_shards", ()):
             key = shard.device.id
             per_device[key] = per_device.get(key, 0) + shard.data.nbytes
     return max(per_device.values(), default=0)
+
+
+# -- the schedule: what each asynchronous collective runs behind --------------------
+
+_ASYNC_START = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*.+?\s+"
+    r"(?P<kind>" + "|".join(_COLLECTIVES) + r")-start\((?P<args>.*)$"
+)
+_DONE = re.compile(r"\s(?P<kind>" + "|".join(_COLLECTIVES) + r")-done\(%(?P<start>[\w.\-]+)\)")
+_SYNC_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*.+?\s+(?P<kind>" + "|".join(_COLLECTIVES) + r")\("
+)
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=")
+_OP_NAME = re.compile(r'op_name="(?P<op>[^"]*)"')
+# A matrix multiply as the GPU backend emits it: a dot or convolution, a
+# library call (cuBLAS, cuBLASLt, cuDNN) or a Triton GEMM fusion.
+_GEMM = re.compile(
+    r"\s(?:dot|convolution)\(|custom_call_target=\"__cu(?:blas|dnn)[^\"]*\"|"
+    r"\"kind\":\"__(?:triton_gemm|triton_nested_gemm_fusion|cublas[^\"]*|cudnn[^\"]*)\""
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+    """One collective of a scheduled program and what it runs behind.
+
+    behind: the matrix multiplies scheduled between its start and its done
+    (their op names), empty when it runs alone or synchronously.
+    """
+
+    name: str
+    kind: str
+    runs: int
+    is_async: bool
+    behind: tuple[str, ...]
+    op: str = ""  # the collective's own op name (what the program was doing)
+
+    @property
+    def overlapped(self) -> bool:
+        return bool(self.behind)
+
+
+def schedule_overlap(hlo_text: str) -> list[Scheduled]:
+    """Every collective of a scheduled HLO module (``compiled.as_text()``
+    of a GPU program: instructions in execution order) with the matrix
+    multiplies that run while it is in flight: those between its
+    ``-start`` and its ``-done``, directly or inside a fusion, loop or call
+    between them. A collective XLA made synchronous (``"is_sync":true``)
+    or never split into start and done runs behind nothing. `runs` as in
+    `collectives_in_hlo`."""
+    runs = _runs_per_computation(hlo_text)
+    bodies: dict[str, list[str]] = {}
+    computation = None
+    for line in hlo_text.splitlines():
+        c = _COMPUTATION.match(line)
+        if c:
+            computation = c.group("name")
+            bodies[computation] = []
+        elif computation is not None and _NAME.match(line):
+            bodies[computation].append(line)
+    gemm: dict[str, bool] = {}
+
+    def has_gemm(name: str) -> bool:
+        if name not in gemm:
+            gemm[name] = False  # no recursion through a cycle
+            gemm[name] = any(_line_has_gemm(line) for line in bodies.get(name, []))
+        return gemm[name]
+
+    def _line_has_gemm(line: str) -> bool:
+        return bool(_GEMM.search(line)) or any(has_gemm(c) for c in _callees(line))
+
+    found = []
+    for comp, lines in bodies.items():
+        for i, line in enumerate(lines):
+            start = _ASYNC_START.match(line)
+            if start:
+                name = start.group("name")
+                behind = []
+                sync = '"is_sync":true' in line
+                for later in lines[i + 1 :]:
+                    done = _DONE.search(later)
+                    if done and done.group("start") == name:
+                        break
+                    if not sync and _line_has_gemm(later):
+                        op = _OP_NAME.search(later)
+                        behind.append(op.group("op") if op else _NAME.match(later).group("name"))
+                op = _OP_NAME.search(line)
+                found.append(
+                    Scheduled(
+                        name,
+                        start.group("kind"),
+                        runs.get(comp, 1),
+                        not sync,
+                        tuple(behind),
+                        op.group("op") if op else "",
+                    )
+                )
+                continue
+            plain = _SYNC_COLLECTIVE.match(line)
+            if plain and not _DONE.search(line):
+                op = _OP_NAME.search(line)
+                found.append(
+                    Scheduled(
+                        plain.group("name"),
+                        plain.group("kind"),
+                        runs.get(comp, 1),
+                        False,
+                        (),
+                        op.group("op") if op else "",
+                    )
+                )
+    return found
+
+
+def _callees(line: str) -> list[str]:
+    names = _CALLED.findall(line)
+    b = _BRANCHES.search(line)
+    if b:
+        names += re.findall(r"%([\w.\-]+)", b.group("names"))
+    return names
+
+
+def overlap_by_kind(scheduled: list[Scheduled]) -> dict[str, tuple[int, int]]:
+    """Per collective kind: (runs per step behind a matrix multiply, runs per step)."""
+    out: dict[str, tuple[int, int]] = {}
+    for s in scheduled:
+        hit, total = out.get(s.kind, (0, 0))
+        out[s.kind] = (hit + s.runs * s.overlapped, total + s.runs)
+    return out
