@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = ("collectives", "distributed", "pipeline", "quant")
 _EXPORTS = {
+    "target_mesh": "zpp_jax.aot",
     "Checkpointer": "zpp_jax.checkpoint",
     "ZeroPPConfig": "zpp_jax.config",
     "BatchLoader": "zpp_jax.data",
@@ -56,6 +57,8 @@ _EXPORTS = {
     "ShardedLinen": "zpp_jax.shard_linen",
     "default_linen_units": "zpp_jax.shard_linen",
     "shard_linen": "zpp_jax.shard_linen",
+    "xla_flags": "zpp_jax.schedule",
+    "schedule_overlap": "zpp_jax.step_report",
     "step_report": "zpp_jax.step_report",
     "Trainer": "zpp_jax.train",
     "cross_entropy": "zpp_jax.train",

@@ -222,49 +222,92 @@ def _train(args) -> int:
 
 
 def _comm(args) -> int:
-    _use_emulated_devices(args.nodes * args.local)
+    if args.target == "cpu":
+        _use_emulated_devices(args.nodes * args.local)
+    elif "jax" not in sys.modules:
+        # The CUDA plugin cannot start without a GPU; its compile-only
+        # client needs none.
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import json
 
+    import jax
     from flax import nnx
 
     from zpp_jax.cli.comm import DEFAULT_CONFIGS, compare
     from zpp_jax.mesh import make_mesh
-    from zpp_jax.models import GPT, GPTConfig
+    from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
 
-    model = GPTConfig.preset(args.model)
-    if args.seq:
-        model = GPTConfig.preset(args.model, seq_len=args.seq)
+    seq = {"seq_len": args.seq} if args.seq else {}
+    if args.arch == "gpt":
+        model = GPTConfig.preset(args.model, **seq)
+
+        def build():
+            return GPT(model, nnx.Rngs(0))
+    else:
+        model = LlamaConfig.preset(args.model, **seq)
+
+        def build():
+            return Llama(model, nnx.Rngs(0))
+
     unknown = set(args.configs) - set(DEFAULT_CONFIGS)
     if unknown:
         raise UsageError(f"unknown configs {sorted(unknown)}; choose from {list(DEFAULT_CONFIGS)}")
     configs = {name: DEFAULT_CONFIGS[name] for name in args.configs}
-    reports = compare(
-        lambda: GPT(model, nnx.Rngs(0)),
-        make_mesh(args.nodes, args.local),
-        args.batch,
-        model.seq_len,
-        configs,
-    )
+    if args.target == "cpu":
+        mesh, make = make_mesh(args.nodes, args.local), build
+    else:
+        from zpp_jax.aot import target_mesh
+
+        mesh = target_mesh(args.nodes, args.local, args.target_config)
+
+        def make():
+            return nnx.eval_shape(build)
+
+    compute = None if args.compute_dtype == "model" else args.compute_dtype
+    reports = compare(make, mesh, args.batch, model.seq_len, configs, compute)
     if args.json:
         print(json.dumps({"configs": reports}))
         return 0
     base = reports[0]["cross_node_bytes"]
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(build), nnx.Param)))
     print(
-        f"GPT {args.model} ({model.num_params():,} parameters), mesh {args.nodes} x "
-        f"{args.local}, batch {args.batch} x {model.seq_len}; per device per step:"
+        f"{args.arch} {args.model} ({params:,} parameters) on {args.target}, mesh "
+        f"{args.nodes} x {args.local}, batch {args.batch} x {model.seq_len}; per device per step:"
     )
     print(
-        f"{'config':8s}{'cross-node B':>16s}{'vs ' + reports[0]['name']:>10s}"
-        f"{'intra-node B':>16s}{'peak memory B':>16s}{'state B':>14s}"
+        f"{'config':10s}{'cross-node B':>16s}{'vs ' + reports[0]['name']:>10s}"
+        f"{'intra-node B':>16s}{'peak memory B':>17s}{'state B':>16s}"
+        + ("  overlapped / collectives" if args.target != "cpu" else "")
     )
     for r in reports:
         ratio = base / r["cross_node_bytes"] if r["cross_node_bytes"] else float("inf")
-        print(
-            f"{r['name']:8s}{r['cross_node_bytes']:16,.0f}{ratio:9.2f}x"
-            f"{r['intra_node_bytes']:16,.0f}{r['peak_memory_bytes']:16,}"
-            f"{r['state_bytes']:14,}"
+        line = (
+            f"{r['name']:10s}{r['cross_node_bytes']:16,.0f}{ratio:9.2f}x"
+            f"{r['intra_node_bytes']:16,.0f}{r['peak_memory_bytes']:17,}{r['state_bytes']:16,}"
         )
+        if args.target != "cpu":
+            line += "  " + ", ".join(f"{k} {a}/{b}" for k, (a, b) in r["overlap"].items())
+        print(line)
+    if args.target != "cpu":
+        for r in reports:
+            print(f"\n{r['name']}: each collective, runs per step, and what it runs behind")
+            for c in r["collectives"]:
+                where = "across nodes" if c["spans_nodes"] else "inside nodes"
+                if c["behind"]:
+                    behind = f"{len(c['behind'])} GEMMs, first {_short_op(c['behind'][0])}"
+                else:
+                    behind = "nothing (async, no GEMM before its done)" if c["async"] else "sync"
+                print(
+                    f"  {c['kind']:14s}{'/'.join(c['dtypes']):14s}{c['moved_bytes']:14,.0f} B "
+                    f"x{c['runs']:<3d} {where:13s} behind: {behind}"
+                )
     return 0
+
+
+def _short_op(op: str) -> str:
+    """The end of an HLO op name: what the model was doing (``.../dot_general``)."""
+    parts = [p for p in op.split("/") if p]
+    return "/".join(parts[-3:])
 
 
 def _launch(args) -> int:
@@ -400,7 +443,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile the GPT training step per configuration and report, from the HLO, "
         "every collective, the bytes per step across and inside nodes, and peak memory",
     )
-    comm.add_argument("--model", default="tiny", help="tiny, small or 125m")
+    comm.add_argument("--arch", choices=["gpt", "llama"], default="gpt")
+    comm.add_argument(
+        "--model", default="tiny", help="gpt: tiny, small or 125m; llama: tiny, small or 7b"
+    )
+    comm.add_argument(
+        "--target",
+        choices=["cpu", "h200"],
+        default="cpu",
+        help="cpu: emulated CPU devices; h200: compile (not run) for H200 GPUs, with the "
+        "schedule's overlap (needs the gpu-aot extra and a target description)",
+    )
+    comm.add_argument(
+        "--target-config",
+        default=None,
+        help="the GPU target description (.txtpb); default: $ZPP_GPU_TARGET_CONFIG",
+    )
+    comm.add_argument(
+        "--compute-dtype",
+        default="model",
+        help="dtype the gathered weights are cast to (e.g. bfloat16); default: the model's",
+    )
     comm.add_argument("--seq", type=int, default=None)
     comm.add_argument("--nodes", type=int, default=2)
     comm.add_argument("--local", type=int, default=4)

@@ -7,7 +7,8 @@ runs per step with loop trip counts, whether its group spans nodes) and the
 per-device bytes per step are totalled by the ring model, across and inside
 nodes. Peak memory per device comes from `memory_analysis()`, next to the
 bytes of the training state one device holds (parameters, optimizer state,
-error-feedback residuals).
+error-feedback residuals). For a GPU target (compiled, not run: see
+`zpp_jax.aot`) each collective also shows what it is scheduled behind.
 """
 
 from __future__ import annotations
@@ -30,20 +31,28 @@ DEFAULT_CONFIGS = {
     "hpz": ZeroPPConfig.zero3(hpz=True),
     "qgz": ZeroPPConfig(comm_dtype="bfloat16", quantize_weights=False, hpz=False),
     "zeropp": ZeroPPConfig(comm_dtype="bfloat16"),
+    "zeropp_ef": ZeroPPConfig(comm_dtype="bfloat16", error_feedback=True),
 }
 
 
 def compare(
-    make_model: Callable[[], nnx.Module], mesh, batch: int, seq_len: int, configs=None
+    make_model: Callable[[], nnx.Module],
+    mesh,
+    batch: int,
+    seq_len: int,
+    configs=None,
+    compute_dtype=None,
 ) -> list[dict]:
     """`step_report` of a language model's training step (AdamW) for each
     configuration (default: ZeRO-3, each technique alone, all three), on
-    token batches of `batch` x `seq_len`."""
+    token batches of `batch` x `seq_len`. `make_model` may build the model
+    abstractly (``nnx.eval_shape``), as it must for a compile-only mesh
+    (`zpp_jax.aot.target_mesh`)."""
     configs = DEFAULT_CONFIGS if configs is None else configs
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     reports = []
     for name, cfg in configs.items():
-        trainer = Trainer(make_model(), optax.adamw(1e-3), mesh, cfg)
+        trainer = Trainer(make_model(), optax.adamw(1e-3), mesh, cfg, compute_dtype=compute_dtype)
         report = step_report(trainer, {"inputs": tokens, "targets": tokens})
         reports.append({"name": name, "config": dataclasses.asdict(cfg), **report})
     return reports

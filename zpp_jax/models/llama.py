@@ -20,6 +20,18 @@ from zpp_jax.errors import UsageError, check_positive_ints
 _PRESETS = {
     "tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, seq_len=64),
     "small": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, d_ff=768, seq_len=128),
+    # Llama 2 7B's shapes (6.74e9 parameters), for compiling, not for this
+    # machine's memory.
+    "7b": dict(
+        vocab_size=32000,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=32,
+        d_ff=11008,
+        seq_len=4096,
+        dtype="bfloat16",
+    ),
 }
 
 
@@ -54,7 +66,7 @@ class LlamaConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> LlamaConfig:
-        """`tiny` (tests) or `small`."""
+        """`tiny` (tests), `small`, or `7b` (Llama 2 7B's shapes)."""
         if name not in _PRESETS:
             raise UsageError(f"unknown model size {name!r}; choose one of {sorted(_PRESETS)}")
         return cls(**{**_PRESETS[name], **overrides})

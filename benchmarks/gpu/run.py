@@ -1,0 +1,177 @@
+"""The checks to run when an NVIDIA GPU is at hand (one H200 is enough), in
+one script that finishes in a few minutes:
+
+1. kernels: every Pallas kernel (quantize, dequantize, the fused
+   dequantize-sum-quantize, the reordered quantize; int8 and int4, nearest
+   and stochastic rounding) against the plain-JAX reference, bit for bit
+   (codes and scales), on random and on adversarial blocks (zeros, Inf, NaN);
+2. bandwidth: each kernel's bytes read plus written over its median time, as
+   a share of the GPU's memory bandwidth (`benchmarks/quant_kernels.py`);
+3. steps: the median time of one training step of GPT 125m on this GPU
+   (a 1 x 1 mesh: no collective runs, so this is each method's compute and
+   quantization cost) for plain `jax.jit`, ZeRO-3 (bf16 wire), ZeRO++ and
+   ZeRO++ with error feedback, side by side.
+
+    python benchmarks/gpu/run.py [--peak-gbs 4800]
+"""
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import pallas_kernels as pk
+import zpp_jax as zpp
+from zpp_jax.models import GPT, GPTConfig
+
+parser = argparse.ArgumentParser(description=__doc__)
+parser.add_argument("--peak-gbs", type=float, default=4800.0, help="H200: 4800")
+parser.add_argument("--steps", type=int, default=10)
+parser.add_argument("--model", default="125m", help="GPT preset of the step timings")
+parser.add_argument(
+    "--allow-cpu",
+    action="store_true",
+    help="run without a GPU, to check the script itself (the kernels then run their reference)",
+)
+args = parser.parse_args()
+if jax.default_backend() != "gpu" and not args.allow_cpu:
+    sys.exit(f"needs a GPU; jax sees {jax.default_backend()}")
+print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+
+
+# -- 1. kernels against the reference, bit for bit ----------------------------------
+
+
+def inputs(n, seed):
+    x = np.asarray(jax.random.normal(jax.random.key(seed), (n,), jnp.float32)) * 3.0
+    x[:256] = 0.0  # an all-zero block
+    x[1000], x[2000], x[3000] = np.inf, -np.inf, np.nan
+    return jnp.asarray(x)
+
+
+def same(a, b):
+    return all(
+        np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+ref = pk.reference
+N, NODES, LOCAL, BLOCK = (1 << 22) if not args.allow_cpu else (1 << 14), 2, 4, 256
+
+
+def kernel_cases(bits, rounding):
+    """(name, Pallas function, reference function, inputs) for one setting."""
+    x = inputs(N, bits)
+    q = jax.jit(lambda a: ref.quantize(a, bits, BLOCK))(x)
+    stacked = jax.tree.map(lambda a: jnp.stack([a] * LOCAL), q)
+    return [
+        (
+            "quantize",
+            lambda a: pk.quantize(a, bits, BLOCK, rounding=rounding),
+            lambda a: ref.quantize(a, bits, BLOCK, rounding=rounding),
+            (x,),
+        ),
+        (
+            "quantize_reordered",
+            lambda a: pk.quantize_reordered(a, NODES, LOCAL, bits, BLOCK, rounding=rounding),
+            lambda a: ref.quantize_reordered(a, NODES, LOCAL, bits, BLOCK, rounding=rounding),
+            (x,),
+        ),
+        (
+            "dequantize",
+            lambda q: pk.dequantize(q, bits, N),
+            lambda q: ref.dequantize(q, bits, N),
+            (q,),
+        ),
+        (
+            "dequantize_sum_quantize",
+            lambda q: pk.dequantize_sum_quantize(q, bits, N, rounding=rounding),
+            lambda q: ref.dequantize_sum_quantize(q, bits, N, None, rounding=rounding),
+            (stacked,),
+        ),
+    ]
+
+
+failures = 0
+for bits in (8, 4):
+    for rounding in ("nearest", "stochastic"):
+        for name, kernel, reference, xs in kernel_cases(bits, rounding):
+            ok = same(jax.jit(kernel)(*xs), jax.jit(reference)(*xs))
+            failures += not ok
+            print(f"  {name:26s} int{bits} {rounding:10s} {'bit-identical' if ok else 'DIFFERS'}")
+print(f"kernels: {'all bit-identical' if not failures else f'{failures} differ'}")
+
+# -- 2. kernel bandwidth -------------------------------------------------------------
+
+here = Path(__file__).resolve().parents[1]
+mib = ["1"] if args.allow_cpu else ["256", "1024"]
+subprocess.run(
+    [
+        sys.executable,
+        str(here / "quant_kernels.py"),
+        "--mib",
+        *mib,
+        "--peak-gbs",
+        str(args.peak_gbs),
+    ],
+    check=True,
+)
+
+# -- 3. one training step per method, on this GPU ------------------------------------
+
+cfg = GPTConfig.preset(args.model)
+tokens = jax.random.randint(jax.random.key(1), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
+batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def median_time(step, state, batch):
+    state, _ = step(state, batch)  # compile
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def plain_jit():
+    model = GPT(cfg, nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    @jax.jit
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(zpp.next_token_loss)(model, batch)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), {"loss": loss}
+
+    return median_time(step, state, batch)
+
+
+mesh = zpp.make_mesh(1, 1)
+methods = {
+    "zero3 (bf16 wire)": zpp.ZeroPPConfig.zero3(comm_dtype="bfloat16"),
+    "zeropp": zpp.ZeroPPConfig(comm_dtype="bfloat16"),
+    "zeropp + error feedback": zpp.ZeroPPConfig(comm_dtype="bfloat16", error_feedback=True),
+}
+times = {"plain jax.jit": plain_jit()}
+for name, config in methods.items():
+    trainer = zpp.Trainer(GPT(cfg, nnx.Rngs(0)), optax.adamw(1e-3), mesh, config)
+    placed = jax.device_put(batch, trainer.batch_sharding())
+    times[name] = median_time(trainer.train_step, trainer.init(), placed)
+base = times["plain jax.jit"]
+print(f"\nGPT {args.model}, batch 8 x {cfg.seq_len}, one GPU, median of {args.steps} steps:")
+for name, t in times.items():
+    print(f"  {name:26s}{1e3 * t:9.1f} ms  {t / base:5.2f}x plain jit")
+sys.exit(1 if failures else 0)

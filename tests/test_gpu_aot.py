@@ -1,0 +1,237 @@
+"""The training step compiled (not run) for 2 x 4 H200 GPUs.
+
+Needs the gpu-aot extra (JAX's CUDA plugin and ptxas) and an XLA GPU target
+description in $ZPP_GPU_TARGET_CONFIG; skipped without them, and never part
+of the default test command. Run with
+``pip install -e ".[gpu-aot,test]"`` and
+``ZPP_GPU_TARGET_CONFIG=h200.txtpb pytest -m gpu_aot -n 0``.
+"""
+
+import functools
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from zpp_jax import Trainer, ZeroPPConfig, make_mesh, step_report
+from zpp_jax.aot import TARGET_CONFIG_ENV, has_cuda_plugin, target_config, target_mesh
+from zpp_jax.cli import main
+from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
+from zpp_jax.step_report import schedule_overlap
+
+pytestmark = pytest.mark.gpu_aot
+# A compile-only client cannot load programs back from the persistent cache.
+jax.config.update("jax_enable_compilation_cache", False)
+if not has_cuda_plugin():
+    pytest.skip('needs JAX\'s CUDA plugin: pip install -e ".[gpu-aot]"', allow_module_level=True)
+if not os.environ.get(TARGET_CONFIG_ENV):
+    pytest.skip(
+        f"needs {TARGET_CONFIG_ENV}: an XLA GPU target description", allow_module_level=True
+    )
+
+MODELS = {
+    # name: (config, global batch); one sequence per device
+    "gpt-125m": (GPTConfig.preset("125m"), 8),
+    "llama-7b": (LlamaConfig.preset("7b", seq_len=2048), 8),
+}
+CONFIGS = {
+    "zero3": ZeroPPConfig.zero3(comm_dtype="bfloat16"),
+    "zeropp": ZeroPPConfig(comm_dtype="bfloat16"),
+    "zeropp_ef": ZeroPPConfig(comm_dtype="bfloat16", error_feedback=True),
+}
+
+
+def _model(name):
+    cfg = MODELS[name][0]
+    return (GPT if isinstance(cfg, GPTConfig) else Llama)(cfg, nnx.Rngs(0))
+
+
+def _trainer(model, config, mesh):
+    abstract = nnx.eval_shape(lambda: _model(model))
+    return Trainer(abstract, optax.adamw(1e-3), mesh, CONFIGS[config], compute_dtype="bfloat16")
+
+
+def _batch(model):
+    cfg, batch = MODELS[model]
+    tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len), jnp.int32)
+    return {"inputs": tokens, "targets": tokens}
+
+
+@functools.cache
+def _h200():
+    return target_mesh(2, 4)
+
+
+@functools.cache
+def _report(model, config, target="h200"):
+    mesh = _h200() if target == "h200" else make_mesh(2, 4)
+    return step_report(_trainer(model, config, mesh), _batch(model))
+
+
+def _device_memory() -> int:
+    return int(re.search(r"device_memory_size:\s*(\d+)", target_config()).group(1))
+
+
+def test_every_kernel_is_compiled_for_sm90(tmp_path):
+    """Every Pallas call of the ZeRO++ step (with error feedback: quantize,
+    dequantize, and the fused dequantize-sum-quantize) is a Triton kernel of
+    the compiled GPU program, lowered to PTX for sm_90a (and from it, by
+    ptxas, to the cubin the program embeds): no reference fallback."""
+    trainer = _trainer("gpt-125m", "zeropp_ef", _h200())
+    compiled = trainer.compile_step(
+        _batch("gpt-125m"), {**trainer_flags(trainer), "xla_dump_to": str(tmp_path)}
+    )
+    text = compiled.as_text()
+    calls = [
+        line for line in text.splitlines() if "/pallas_call" in line and " custom-call(" in line
+    ]
+    assert calls, "no Pallas call in the step"
+    assert all('custom_call_target="__gpu$xla.gpu.triton"' in line for line in calls)
+    # Each op dispatches by platform (a `cond` whose branches are the kernel
+    # and the reference): only the kernel's branch is left in the program.
+    branches = set(re.findall(r"jit\(_\w+\)/cond/(branch_\d+_fun)/", text))
+    kernel = set(re.findall(r"jit\(_\w+\)/cond/(branch_\d+_fun)/pallas_call", text))
+    assert branches == kernel and len(kernel) == 1, (branches, kernel)
+    names = set(re.findall(r'name = "(\w+)"', text))
+    assert {"_quantize_kernel", "_dequantize_kernel", "_dsq_kernel"} <= names
+    entries = {}
+    for ptx in tmp_path.glob("*.ptx"):
+        body = ptx.read_text()
+        for entry in re.findall(r"\.entry (\w+)\(", body):
+            entries[re.sub(r"__\d+$", "", entry)] = ".target sm_90a" in body
+    assert names <= set(entries), names - set(entries)
+    assert all(entries[n] for n in names)
+
+
+def trainer_flags(trainer):
+    from zpp_jax import xla_flags
+
+    return xla_flags(trainer.mesh)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_collectives_equal_the_cpu_count(config):
+    """The GPU program moves what the CPU program moves: per collective
+    kind, the same bytes per step across and inside nodes, in the same
+    element types (so XLA's own passes, its collective quantizer included,
+    changed none of them). XLA:GPU combines and splits collectives
+    differently, so instruction counts differ; the scalar all-reduces of
+    the loss and the checks are compared by size only."""
+    gpu, cpu = _report("gpt-125m", config), _report("gpt-125m", config, "cpu")
+
+    def by_kind(report):
+        out = {}
+        for c in report["collectives"]:
+            key = (c["kind"], c["spans_nodes"])
+            moved, dtypes = out.get(key, (0.0, set()))
+            out[key] = (moved + c["moved_bytes"] * c["runs"], dtypes | set(c["dtypes"]))
+        return out
+
+    g, c = by_kind(gpu), by_kind(cpu)
+    vectors = {k for k in g | c if k[0] != "all-reduce"}
+    for key in vectors:
+        assert g[key] == c[key], (key, g.get(key), c.get(key))
+    scalars = sum(v[0] for k, v in g.items() if k[0] == "all-reduce")
+    assert scalars < 64
+    assert gpu["cross_node_bytes"] == pytest.approx(cpu["cross_node_bytes"], abs=64)
+    assert gpu["intra_node_bytes"] == pytest.approx(cpu["intra_node_bytes"], abs=64)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_state_and_peak_memory_fit_an_h200(model, config):
+    """Per GPU: the state is its analytic size (parameters and both Adam
+    moments, 1/8 each; with error feedback also residuals of (1 + 1/local)
+    x each unit's whole size, fp32, on every GPU), and the compiled step's
+    peak fits in the H200."""
+    report = _report(model, config)
+    params = nnx.state(nnx.eval_shape(lambda: _model(model)), nnx.Param)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    analytic = 3 * 4 * n_params / 8
+    if CONFIGS[config].error_feedback:
+        analytic += 4 * n_params * (1 + 1 / 4)
+    assert report["state_bytes"] == pytest.approx(analytic, rel=0.01)
+    assert report["state_bytes"] < report["peak_memory_bytes"] < _device_memory()
+
+
+def _share(report, kind, where=None):
+    hit = total = 0
+    for c in report["collectives"]:
+        if c["kind"] == kind and (where is None or where(c)):
+            total += c["runs"]
+            hit += c["runs"] * bool(c["behind"])
+    return hit / total
+
+
+# Overlapped share of each kind of collective per step, on the compiled
+# schedule, against the bound of 0.9. The cases below the bound are marked
+# as expected failures: qgZ's all-to-alls and the hpZ re-gathers are not yet
+# scheduled behind matrix multiplies.
+_BELOW_BOUND = {
+    ("gpt-125m", "zero3", "all-to-all"),
+    ("gpt-125m", "zeropp", "all-gather"),
+    ("gpt-125m", "zeropp", "all-to-all"),
+    ("gpt-125m", "zeropp_ef", "all-gather"),
+    ("gpt-125m", "zeropp_ef", "all-to-all"),
+    ("llama-7b", "zero3", "all-gather"),
+    ("llama-7b", "zeropp", "all-gather"),
+    ("llama-7b", "zeropp", "all-to-all"),
+    ("llama-7b", "zeropp_ef", "all-gather"),
+    ("llama-7b", "zeropp_ef", "all-to-all"),
+}
+
+
+@pytest.mark.parametrize(
+    "model,config,kind",
+    [
+        pytest.param(
+            m,
+            c,
+            k,
+            marks=pytest.mark.xfail(strict=True, reason="not yet overlapped")
+            if (m, c, k) in _BELOW_BOUND
+            else (),
+        )
+        for m in MODELS
+        for c in CONFIGS
+        for k in ("all-gather", "all-to-all")
+    ],
+)
+def test_collectives_run_behind_matrix_multiplies(model, config, kind):
+    assert _share(_report(model, config), kind) >= 0.9
+
+
+@pytest.mark.parametrize("config", ["zeropp", "zeropp_ef"])
+def test_forward_weight_gathers_run_behind_the_previous_layer(config):
+    """The forward pass's qwZ gathers (over `node`, then over `local`) of
+    the GPT's scanned blocks are prefetched: each runs behind the previous
+    block's matrix multiplies."""
+    report = _report("gpt-125m", config)
+
+    def forward_in_loop(c):
+        return c["runs"] > 1 and "transpose(" not in c["op"]
+
+    assert sum(forward_in_loop(c) for c in report["collectives"] if c["kind"] == "all-gather") >= 2
+    assert _share(report, "all-gather", forward_in_loop) == 1.0
+
+
+def test_comm_target_h200_prints_the_schedule(capsys):
+    assert main(["comm", "--target", "h200", "--configs", "zero3", "--seq", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "on h200" in out and "overlapped / collectives" in out
+    assert re.search(r"all-gather .* behind: \d+ GEMMs, first ", out)
+
+
+def test_scheduled_program_names_every_collective():
+    """`schedule_overlap` finds each collective `collectives_in_hlo` counts."""
+    from zpp_jax.step_report import collectives_in_hlo
+
+    trainer = _trainer("gpt-125m", "zeropp", _h200())
+    text = trainer.compile_step(_batch("gpt-125m")).as_text()
+    counted = sorted(c.name for c in collectives_in_hlo(text))
+    scheduled = sorted(s.name for s in schedule_overlap(text))
+    assert counted == scheduled and counted
