@@ -64,6 +64,11 @@ class Trainer:
     what counts: the step donates its arrays, and `model(state)` gives a
     module on any state.
 
+    A model built abstractly (``nnx.eval_shape``) gives an abstract
+    trainer (``trainer.abstract`` is True): its state is shapes, dtypes and
+    shardings only, `init` refuses, and `compile_step` compiles the step,
+    for example for GPUs described by `zpp_jax.aot.target_mesh`.
+
     `max_grad_norm` clips the gradients by their global norm before the
     optimizer sees them, as ``optax.clip_by_global_norm(max_grad_norm)``
     first in the chain would, from the norm the step computes anyway (for
@@ -120,8 +125,8 @@ class Trainer:
         if self.abstract:
             raise UsageError(
                 "this Trainer was built on an abstract model (nnx.eval_shape): it has no "
-                "values to start from; compile its steps with trainer.abstract_state(), or "
-                "build the model itself to train it"
+                "values to start from; compile its step with trainer.compile_step(batch), "
+                "or build the model itself to train it"
             )
         return self._state
 
