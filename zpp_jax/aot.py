@@ -36,7 +36,10 @@ def has_cuda_plugin() -> bool:
     """Whether JAX's CUDA plugin is installed (it need not find a GPU)."""
     import importlib.util
 
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
 
 
 def target_config(path: str | os.PathLike | None = None) -> str:
