@@ -494,8 +494,7 @@ def test_aligned_layer_gradients_match_the_flat_quantization(mesh24, monkeypatch
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.max(np.abs(b)))
 
 
-@pytest.mark.parametrize("remat", ["dots", "full"])
-def test_prefetch_changes_the_order_not_the_math(mesh24, remat):
+def test_prefetch_changes_the_order_not_the_math(mesh24):
     """`prefetch=True` (what units do on a GPU mesh) only frees the gathers
     from waiting for the layer's input and cotangent: with qwZ and hpZ on
     (the same int8 codes are gathered either way), the loss and gradients
@@ -504,7 +503,7 @@ def test_prefetch_changes_the_order_not_the_math(mesh24, remat):
     from zpp_jax import stack_value_and_grad
 
     stack, x = _data(mesh24.devices.size)
-    config = ZeroPPConfig(quantize_gradients=False, remat=remat)
+    config = ZeroPPConfig(quantize_gradients=False)
     shards, layout = shard_params(stack, mesh24, stacked=True, align=config.alignment)
     outs = []
     for prefetch in (False, True):

@@ -160,14 +160,6 @@ RUN = dict(
 )
 
 
-def test_same_seed_same_losses_bitwise():
-    a, b = run(RunConfig(steps=2, **RUN)), run(RunConfig(steps=2, **RUN))
-    assert [r["loss"] for r in a] == [r["loss"] for r in b]
-    assert [r.get("val_loss") for r in a] == [r.get("val_loss") for r in b]
-    c = run(RunConfig(steps=1, seed=1, **RUN))
-    assert a[0]["loss"] != c[0]["loss"]
-
-
 @pytest.mark.slow
 def test_zeropp_learns_context():
     """40 steps of ZeRO++ on the default corpus: the validation loss falls
@@ -195,7 +187,9 @@ def test_single_node_mesh(mesh24):
 def test_resume_is_bitwise(tmp_path):
     """A run stopped after its checkpoint and resumed by a new run (a new
     trainer and checkpointer reading the directory) writes the same metrics
-    and reaches the same state, bit for bit, as one never stopped."""
+    and reaches the same state, bit for bit, as one never stopped. (Its
+    first two steps are two runs of the same seed, bit for bit; another
+    seed gives another first loss.)"""
     import json
 
     from zpp_jax import Checkpointer
@@ -214,6 +208,7 @@ def test_resume_is_bitwise(tmp_path):
     assert len(records["a"]) == 4
     for key in ("step", "loss", "grad_norm", "val_loss"):
         assert [r.get(key) for r in records["a"]] == [r.get(key) for r in records["b"]], key
+    assert run(RunConfig(steps=1, seed=1, **RUN))[0]["loss"] != records["a"][0]["loss"]
     target = make_trainer(RunConfig(**RUN)).abstract_state()
     (sa, ma), (sb, mb) = (Checkpointer(tmp_path / k).restore(target) for k in "ab")
     assert ma["data_position"] == mb["data_position"] == 4 and Trainer.steps_done(sa) == 4
