@@ -165,3 +165,25 @@ def test_schedule_overlap_reads_what_runs_behind_each_collective():
     # an async start's shape is (operands, results): the bytes are the results'
     sizes = {c.name: c.result_bytes for c in collectives_in_hlo(_SCHEDULED)}
     assert sizes == {"ag": 64 * 64 * 2, "a2a": 8 * 32, "ar": 4}
+
+
+@pytest.mark.parametrize(
+    "groups,want",
+    [
+        ("mesh['stage'=2,'local'=4] {'local'}", ((0, 1, 2, 3), (4, 5, 6, 7))),
+        ("mesh['stage'=2,'local'=4] {'stage'}", ((0, 4), (1, 5), (2, 6), (3, 7))),
+        ("mesh['axis_0'=8,'axis_1'=1] {'axis_0'}", (tuple(range(8)),)),
+        ("mesh['a'=2,'b'=2,'c'=2] {'a','c'}", ((0, 1, 4, 5), (2, 3, 6, 7))),
+    ],
+)
+def test_mesh_axes_replica_groups_are_read(groups, want):
+    """XLA's partitioner writes a collective's groups as mesh axes and the
+    axes a group spans; each group is the devices that differ only there."""
+    from zpp_jax.step_report import collectives_in_hlo
+
+    line = (
+        f"  %ag = f32[8,4]{{1,0}} all-gather(%p), channel_id=1, replica_groups={groups}, dims={{0}}"
+    )
+    (c,) = collectives_in_hlo(line)
+    assert c.groups == want
+    assert c.moved_bytes == 8 * 4 * 4 * (len(want[0]) - 1) / len(want[0])

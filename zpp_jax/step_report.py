@@ -40,6 +40,7 @@ _INSTR = re.compile(
 )
 _ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(?P<body>(?:\{[\d,]*\},?)*)\}")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<span>[^}]*)\}")
 _IOTA_GROUPS = re.compile(
     r"replica_groups=\[(?P<dims>[\d,]+)\]<=\[(?P<reshape>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?"
 )
@@ -209,6 +210,19 @@ def summarize(hlo_text: str, local_size: int) -> CommSummary:
 
 
 def _groups(line: str) -> tuple[tuple[int, ...], ...]:
+    m = _MESH_GROUPS.search(line)
+    if m:
+        # mesh['a'=2,'b'=4] {'b'}: devices numbered row-major over the
+        # named axes; a group is the devices that differ only along the
+        # axes in braces.
+        axes = [(name, int(size)) for name, size in re.findall(r"'(\w+)'=(\d+)", m.group("axes"))]
+        span = re.findall(r"'(\w+)'", m.group("span"))
+        names = [name for name, _ in axes]
+        ids = np.arange(math.prod(size for _, size in axes)).reshape([size for _, size in axes])
+        moved = [names.index(a) for a in span]
+        ids = np.moveaxis(ids, moved, list(range(len(names) - len(moved), len(names))))
+        size = math.prod(dict(axes)[a] for a in span)
+        return tuple(tuple(int(i) for i in row) for row in ids.reshape(-1, size))
     m = _IOTA_GROUPS.search(line)
     if m:
         dims = [int(d) for d in m.group("dims").split(",")]
