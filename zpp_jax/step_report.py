@@ -101,37 +101,51 @@ def collectives_in_hlo(hlo_text: str) -> list[Collective]:
     loop trip counts (XLA's known_trip_count) multiplied through nested loops.
     A loop whose trip count XLA does not know counts once.
     """
-    runs = _runs_per_computation(hlo_text)
+    entry, bodies = _computations(hlo_text)
+    runs = _runs_per_computation(entry, bodies)
     found = []
-    computation = None
+    for computation, lines in bodies.items():
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            shape = m.group("shape")
+            if m.group("kind") != "all-reduce" and line[m.end() - 7 : m.end()] == "-start(":
+                shape = _async_result(shape)
+            arrays = _ARRAY.findall(shape)
+            dtypes = tuple(dt for dt, _ in arrays)
+            nbytes = sum(
+                math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt]
+                for dt, dims in arrays
+            )
+            found.append(
+                Collective(
+                    m.group("name"),
+                    m.group("kind"),
+                    dtypes,
+                    int(nbytes),
+                    _groups(line),
+                    runs.get(computation, 1),
+                )
+            )
+    return found
+
+
+def _computations(hlo_text: str) -> tuple[str | None, dict[str | None, list[str]]]:
+    """The entry computation's name and every computation's lines after its
+    header, in text order; lines before the first header (a fragment of
+    instructions) under None."""
+    entry, bodies = None, {}
+    lines = bodies[None] = []
     for line in hlo_text.splitlines():
         c = _COMPUTATION.match(line)
         if c:
-            computation = c.group("name")
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        shape = m.group("shape")
-        if m.group("kind") != "all-reduce" and line[m.end() - 7 : m.end()] == "-start(":
-            shape = _async_result(shape)
-        arrays = _ARRAY.findall(shape)
-        dtypes = tuple(dt for dt, _ in arrays)
-        nbytes = sum(
-            math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt]
-            for dt, dims in arrays
-        )
-        found.append(
-            Collective(
-                m.group("name"),
-                m.group("kind"),
-                dtypes,
-                int(nbytes),
-                _groups(line),
-                runs.get(computation, 1),
-            )
-        )
-    return found
+            lines = bodies[c.group("name")] = []
+            if line.startswith("ENTRY"):
+                entry = c.group("name")
+        else:
+            lines.append(line)
+    return entry, bodies
 
 
 def _async_result(shape: str) -> str:
@@ -153,31 +167,22 @@ def _async_result(shape: str) -> str:
     return parts[-1] if len(parts) == 2 else shape
 
 
-def _runs_per_computation(hlo_text: str) -> dict[str, int]:
+def _runs_per_computation(
+    entry: str | None, bodies: dict[str | None, list[str]]
+) -> dict[str | None, int]:
+    """Runs of each computation per call of `entry`: loop bodies by their
+    known trip count, everything else it calls once per call."""
     calls: dict[str, list[tuple[str, int]]] = {}
-    entry = None
-    computation = None
-    for line in hlo_text.splitlines():
-        c = _COMPUTATION.match(line)
-        if c:
-            computation = c.group("name")
-            calls[computation] = []
-            if line.startswith("ENTRY"):
-                entry = computation
-            continue
-        if computation is None:
-            continue
-        w = _WHILE.search(line)
-        trip = _TRIP.search(line)
-        if w:
-            calls[computation].append((w.group("body"), int(trip.group("n")) if trip else 1))
-        for called in _CALLED.findall(line):
-            if not (w and called == w.group("body")):
-                calls[computation].append((called, 1))
-        b = _BRANCHES.search(line)
-        if b:
-            for name in re.findall(r"%([\w.\-]+)", b.group("names")):
-                calls[computation].append((name, 1))
+    for computation, lines in bodies.items():
+        calls[computation] = []
+        for line in lines:
+            w = _WHILE.search(line)
+            trip = _TRIP.search(line)
+            if w:
+                calls[computation].append((w.group("body"), int(trip.group("n")) if trip else 1))
+            for called in _callees(line):
+                if not (w and called == w.group("body")):
+                    calls[computation].append((called, 1))
     runs: dict[str, int] = {}
 
     def visit(name: str, times: int) -> None:
@@ -360,16 +365,8 @@ def schedule_overlap(hlo_text: str) -> list[Scheduled]:
     between them. A collective XLA made synchronous (``"is_sync":true``)
     or never split into start and done runs behind nothing. `runs` as in
     `collectives_in_hlo`."""
-    runs = _runs_per_computation(hlo_text)
-    bodies: dict[str, list[str]] = {}
-    computation = None
-    for line in hlo_text.splitlines():
-        c = _COMPUTATION.match(line)
-        if c:
-            computation = c.group("name")
-            bodies[computation] = []
-        elif computation is not None and _NAME.match(line):
-            bodies[computation].append(line)
+    entry, bodies = _computations(hlo_text)
+    runs = _runs_per_computation(entry, bodies)
     gemm: dict[str, bool] = {}
 
     def has_gemm(name: str) -> bool:
@@ -394,9 +391,7 @@ def schedule_overlap(hlo_text: str) -> list[Scheduled]:
                     if done and done.group("start") == name:
                         break
                     if not sync and _line_has_gemm(later):
-                        op = _OP_NAME.search(later)
-                        behind.append(op.group("op") if op else _NAME.match(later).group("name"))
-                op = _OP_NAME.search(line)
+                        behind.append(_op(later) or _NAME.match(later).group("name"))
                 found.append(
                     Scheduled(
                         name,
@@ -404,13 +399,12 @@ def schedule_overlap(hlo_text: str) -> list[Scheduled]:
                         runs.get(comp, 1),
                         not sync,
                         tuple(behind),
-                        op.group("op") if op else "",
+                        _op(line),
                     )
                 )
                 continue
             plain = _SYNC_COLLECTIVE.match(line)
             if plain and not _DONE.search(line):
-                op = _OP_NAME.search(line)
                 found.append(
                     Scheduled(
                         plain.group("name"),
@@ -418,10 +412,16 @@ def schedule_overlap(hlo_text: str) -> list[Scheduled]:
                         runs.get(comp, 1),
                         False,
                         (),
-                        op.group("op") if op else "",
+                        _op(line),
                     )
                 )
     return found
+
+
+def _op(line: str) -> str:
+    """An instruction's op name (what the program was doing), or ''."""
+    op = _OP_NAME.search(line)
+    return op.group("op") if op else ""
 
 
 def _callees(line: str) -> list[str]:
