@@ -120,11 +120,9 @@ def zero_residual(
     `config.residual_dtype`, split over every device (after `lead_shape`,
     a stack's layer axis); with `abstract`, its shape, dtype and sharding."""
     shape = lead_shape + (residual_size(config, params, mesh_shape(mesh)),)
-    if abstract:
-        return place(
-            jax.ShapeDtypeStruct(shape, jnp.dtype(config.residual_dtype)), mesh, len(shape) - 1
-        )
-    return place(jnp.zeros(shape, config.residual_dtype), mesh, len(lead_shape))
+    dtype = jnp.dtype(config.residual_dtype)
+    zeros = jax.ShapeDtypeStruct(shape, dtype) if abstract else jnp.zeros(shape, dtype)
+    return place(zeros, mesh, len(lead_shape))
 
 
 Run = Callable[[dict, list, tuple, dict], tuple[Any, list]]
