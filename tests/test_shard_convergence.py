@@ -49,8 +49,14 @@ def _train(family, model, steps, mesh):
     return losses
 
 
+# The scanned Llama is the list Llama's arithmetic in a loop (their ZeRO-3
+# gradients equal one device's alike: test_shard.py); over 30 steps they
+# ended 0.84% and 0.86% above ZeRO-3, so the list stands for both here.
+_CONVERGENCE = [name for name in nnx_test.FAMILIES if name != "llama_scan"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", nnx_test.FAMILIES)
+@pytest.mark.parametrize("name", _CONVERGENCE)
 def test_nnx_zeropp_trains_like_zero3(name, mesh24):
     """STEPS steps on a learnable task: ZeRO++ (int8 weights, hpZ, int4
     gradients) ends within GAP of ZeRO-3's loss (means of the last 10)."""
