@@ -130,8 +130,8 @@ def test_hpz_backward_gathers_stay_inside_the_node(mesh24, quantize_weights):
     cross = lambda text: [
         c for c in collectives_in_hlo(text) if c.kind == "all-gather" and c.spans_nodes(local)
     ]
-    # Quantized weights travel as two collectives: codes and scales.
-    per = 2 if quantize_weights else 1
+    # Quantized weights travel as one message: codes, then scales.
+    per = 1
     counts = {}
     for hpz in (False, True):
         cfg = EXACT.replace(hpz=hpz, quantize_weights=quantize_weights)
@@ -166,33 +166,27 @@ def _collective_signature(mesh, config):
 def test_each_switch_changes_only_its_own_collectives(mesh24):
     """Each technique switched on alone: what its collectives become, and
     that the other direction's collectives stay the baseline's."""
-    f32, s8, u8, u16, u32 = ("f32",), ("s8",), ("u8",), ("u16",), ("u32",)
+    f32, u8, u16, u32 = ("f32",), ("u8",), ("u16",), ("u32",)
     base_w, base_g = _collective_signature(mesh24, EXACT)
     # forward and backward gathers of fp32 bits; an fp32 reduce-scatter
     assert base_w == [(8, u32), (8, u32)] and base_g == [("reduce-scatter", 8, f32)]
     expected = {
-        # qwZ: codes and scales, forward and backward
-        "qwz": ({"quantize_weights": True}, [(8, f32)] * 2 + [(8, s8)] * 2, base_g),
-        "qwz int4": (
-            {"quantize_weights": True, "weight_bits": 4},
-            [(8, f32)] * 2 + [(8, u8)] * 2,
-            base_g,
-        ),
+        # qwZ: one message of bytes (codes, then scales), forward and backward
+        "qwz": ({"quantize_weights": True}, [(8, u8)] * 2, base_g),
+        "qwz int4": ({"quantize_weights": True, "weight_bits": 4}, [(8, u8)] * 2, base_g),
         # hpZ: over `node` then `local` forward, over `local` alone backward
         "hpz": ({"hpz": True}, [(2, u32), (4, u32), (4, u32)], base_g),
-        # qgZ: codes and scales (bf16 bits) all-to-all inside the node, then
-        # across nodes
+        # qgZ: bytes (codes, then bf16 scales) all-to-all inside the node,
+        # then across nodes
         "qgz": (
             {"quantize_gradients": True},
             base_w,
-            [("all-to-all", 2, u16 * 2), ("all-to-all", 2, u8 * 2)]
-            + [("all-to-all", 4, u16 * 4), ("all-to-all", 4, u8 * 4)],
+            [("all-to-all", 2, u8 * 2), ("all-to-all", 4, u8 * 4)],
         ),
         "qgz int8, fp32 scales": (
             {"quantize_gradients": True, "gradient_bits": 8, "gradient_scale_dtype": "float32"},
             base_w,
-            [("all-to-all", 2, f32 * 2), ("all-to-all", 2, s8 * 2)]
-            + [("all-to-all", 4, f32 * 4), ("all-to-all", 4, s8 * 4)],
+            [("all-to-all", 2, u8 * 2), ("all-to-all", 4, u8 * 4)],
         ),
         # a bf16 wire for the unquantized collectives: 16-bit payloads
         "bf16 wire": (

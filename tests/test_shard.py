@@ -120,6 +120,46 @@ def test_zero3_equals_one_device(name, mesh24):
         assert np.linalg.norm(got - ref) <= 1e-5 * np.linalg.norm(ref) + slack, key
 
 
+def _loss_and_grads(family, config, mesh):
+    model = zpp.shard(family.make(0), mesh, config)
+    batch = jax.device_put(family.batch(0), zpp.batch_sharding(mesh))
+
+    @nnx.jit
+    def f(model):
+        return zpp.value_and_grad(lambda m: family.loss(m(*_args(batch)), batch))(model)
+
+    loss, grads = f(model)
+    return float(loss), jax.tree.leaves(grads)
+
+
+@pytest.mark.parametrize("name", ["llama_list", "encoder_decoder", "tied_embedding"])
+def test_gpu_order_changes_the_order_not_the_math(name, mesh24, monkeypatch):
+    """On a GPU mesh the units prefetch and relay (`ShardedLayer.relayed`:
+    each unit's gathers and reductions are tied to its neighbours' in the
+    order the program runs them). On an unrolled decoder, an encoder-decoder
+    (two chains that meet) and a model that calls its embedding twice, the
+    loss and every gradient equal the CPU order's to fp32 round-off, with
+    qwZ and hpZ on (qgZ off: it would turn a last-bit difference of fusion
+    into a code step). Every unit call is relayed."""
+    import zpp_jax.unit
+    from zpp_jax.layer import ShardedLayer
+
+    family = FAMILIES[name]
+    config = zpp.ZeroPPConfig(quantize_gradients=False)
+    want_loss, want = _loss_and_grads(family, config, mesh24)
+    calls = []
+    relayed = ShardedLayer.relayed
+    monkeypatch.setattr(zpp_jax.unit, "prefetches", lambda mesh: True)
+    monkeypatch.setattr(
+        ShardedLayer, "relayed", lambda self, *a: calls.append(1) or relayed(self, *a)
+    )
+    loss, got = _loss_and_grads(family, config, mesh24)
+    assert len(calls) >= 3
+    assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
+    for a, b in zip(got, want, strict=True):
+        assert _rel(a, b) <= 1e-6
+
+
 def test_error_feedback_residuals_carry_over(mesh24):
     """With error feedback each unit holds a residual; `zpp.value_and_grad`
     writes the new one into the model every step, and the optimizer never

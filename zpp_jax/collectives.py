@@ -109,18 +109,12 @@ def _all_to_all(
     q: quant.QuantizedBlocks, axis: str, scale_dtype: str = "float32"
 ) -> quant.QuantizedBlocks:
     """Row j of codes and of scales to peer j along `axis` (tiled over the
-    leading axis). Codes and scales travel as two collectives: packing them
-    into one buffer cost XLA:CPU a full extra pass to interleave and split.
-    Scales travel in `scale_dtype`, which they are exact in, as raw bits
-    (XLA:CPU would otherwise widen a bf16 collective back to fp32)."""
-
-    def send(a):
-        return lax.all_to_all(a, axis, 0, 0, tiled=True)
-
-    if scale_dtype == "float32":
-        return quant.QuantizedBlocks(send(q.codes), send(q.scales))
-    scales = send(to_bits(q.scales.astype(scale_dtype)))
-    return quant.QuantizedBlocks(send(q.codes), from_bits(scales, scale_dtype).astype(jnp.float32))
+    leading axis), as one message of bytes (`quant.pack`): each row's codes
+    then its scales in `scale_dtype`, which they are exact in."""
+    sent = quant.pack(q, lead=1, scale_dtype=scale_dtype)
+    got = lax.all_to_all(sent, axis, 0, 0, tiled=True)
+    per_row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), q)
+    return quant.unpack(got, per_row.codes, per_row.scales, scale_dtype)
 
 
 def quantized_gather(shard: jax.Array, bits: int, block_size: int) -> quant.QuantizedBlocks:

@@ -73,7 +73,9 @@ class ShardedLayer:
         activations, so a latency-hiding scheduler (XLA:GPU, see
         `zpp_jax.xla_flags`) can start a layer's gather behind the previous
         layer's compute, in either pass; it bounds the weights in flight by
-        its memory limit instead. The math is the same either way.
+        its memory limit instead. Layers called through `relayed` are
+        ordered against their neighbours instead (see there). The math is
+        the same either way.
     """
 
     def __init__(
@@ -113,7 +115,34 @@ class ShardedLayer:
                 f"residual has dtype {residual.dtype.name} but config.residual_dtype is "
                 f"{self.config.residual_dtype}; create it with ShardedLayer.init_residuals"
             )
-        return self._apply(shard, residual, x)
+        return self._apply(shard, residual, x, None)[0]
+
+    def relayed(
+        self, shard: jax.Array, x: Any, residual: jax.Array | None, token: jax.Array
+    ) -> tuple[Any, jax.Array]:
+        """`__call__` that also takes and returns a relay token, which
+        orders consecutive layers' communication against each other's
+        compute. The token is a (2,) float32 array per device whose values
+        mean nothing: pass the one the previous layer returned (zeros for
+        the first layer) and hand the returned one to the next layer.
+
+        Guarantees: the same outputs, gradients and residuals as `__call__`,
+        and this order, which a latency-hiding scheduler fills with overlap
+        and cannot break:
+          * forward: the gather over `local` (without hpZ: the one gather)
+            waits for the previous layer's input, so it runs behind the
+            previous layer's compute and no earlier; with hpZ the gather
+            across nodes waits for the input of the layer before that and
+            runs two layers ahead.
+          * backward: the re-gather waits for the next layer's backward pass
+            to start, so it runs behind that pass and at most two layers'
+            full weights are alive; and the input cotangent leaves only once
+            the next layer's gradient reduction has finished, so each
+            reduction runs behind the backward pass of the layer before and
+            none is left for the end of the step.
+        Costs no bytes and no memory beyond one add over each tied array.
+        """
+        return self._apply(shard, residual, x, token)
 
     def held(self, shard: jax.Array, residual: jax.Array | None = None) -> PyTree:
         """The layer's full parameters, gathered once, for a caller that uses
@@ -152,7 +181,7 @@ class ShardedLayer:
 
     # -- the pieces the custom_vjp is built from -------------------------------
 
-    def _gather_forward(self, shard):
+    def _gather_forward(self, shard, after=None):
         """The full parameters (a pytree) and the hpZ secondary shard (or None).
 
         With hpZ the gather is hierarchical: first over `node` (each device
@@ -162,9 +191,15 @@ class ShardedLayer:
         vector a flat ring carries over each node boundary.
         """
         wire = self._to_wire(shard)
+        if after is not None:
+            # Relayed: the cross-node gather runs two layers ahead, the
+            # local one (or the flat one, without hpZ) one layer ahead.
+            wire = _after(wire, after[1:] if self.config.hpz else after[:1])
         if not self.config.hpz:
             return self._decode(collectives.gather_all(wire)), None
         secondary = collectives.gather_over(wire, NODE)
+        if after is not None:
+            secondary = _after(secondary, after[:1])
         return self._assemble(secondary), secondary
 
     def _gather_backward(self, saved):
@@ -173,13 +208,25 @@ class ShardedLayer:
         return self._assemble(saved)
 
     def _to_wire(self, shard):
-        """This device's shard as it travels: int8/int4 codes and fp32 scales
-        (`quant.QuantizedBlocks`, each of the layout's segments quantized in
-        blocks of its own, codes and scales concatenated), or the raw bits of
-        `comm_dtype`."""
-        cfg = self.config
-        if not cfg.quantize_weights:
+        """This device's shard as it travels: one vector of bytes holding its
+        int8/int4 codes then its fp32 scales (`quant.pack` of `_quantized`),
+        or the raw bits of `comm_dtype`."""
+        if not self.config.quantize_weights:
             return collectives.to_bits(shard.astype(self._wire_dtype))
+        return quant.pack(self._quantized(shard))
+
+    def _unpack_rows(self, rows):
+        """Gathered wire rows (N, bytes) -> `quant.QuantizedBlocks` rows."""
+        like = jax.eval_shape(
+            self._quantized, jax.ShapeDtypeStruct((self.layout.shard_size,), jnp.float32)
+        )
+        return quant.unpack(rows, like.codes, like.scales)
+
+    def _quantized(self, shard):
+        """This device's shard quantized: int8/int4 codes and fp32 scales
+        (`quant.QuantizedBlocks`, each of the layout's segments quantized in
+        blocks of its own, codes and scales concatenated)."""
+        cfg = self.config
         big, small, width = self._segment_groups()
         codes, scales = [], []
         for o, k in big:
@@ -237,6 +284,7 @@ class ShardedLayer:
         if not cfg.quantize_weights:
             values = collectives.from_bits(rows, self._wire_dtype).astype(jnp.float32)
             return layout.unflatten_rows(values, self.compute_dtype)
+        rows = self._unpack_rows(rows)
         big, small, width = self._segment_groups()
         by_offset, c0, s0 = {}, 0, 0
         for o, k in big:
@@ -394,21 +442,25 @@ def _quantize_rows_by_tensor(
 _SHORT_ROW = 256
 
 
-def _tie(saved, g):
-    """`saved` made to depend on `g` (its float leaves plus ``0 * g[0]``),
-    which the compiler can neither fold (0 * NaN is NaN) nor see through:
-    the collective that follows can neither be hoisted before `g` exists
-    nor merged with an identical one elsewhere (XLA:CPU drops optimization
-    barriers before its last CSE pass). Costs one add over the shard."""
-    floats = _floats(g)
-    if not floats:
-        return saved
-    zero = jnp.ravel(floats[0])[0].astype(jnp.float32) * 0
+def _after(tree, *deps):
+    """`tree` made to depend on the first element of every float array in
+    `deps`: a data dependency that no compiler pass can remove (an
+    optimization barrier is dropped before XLA:GPU schedules, and XLA:CPU
+    drops barriers before its last CSE pass) or see through, so a
+    collective on `tree` can neither be hoisted before `deps` exist nor
+    merged with an identical one elsewhere. The values are unchanged,
+    infinities and NaNs in `deps` included: each element is made finite
+    before it is multiplied by 0. Costs one add over each numeric array of
+    `tree` (integer codes and raw bits included)."""
+    firsts = [jnp.ravel(x)[0].astype(jnp.float32) for x in _floats(deps)]
+    if not firsts:
+        return tree
+    zero = sum(jnp.nan_to_num(x) * 0 for x in firsts)
 
     def tie(x):
-        return x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        return x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.number) else x
 
-    return jax.tree.map(tie, saved)
+    return jax.tree.map(tie, tree)
 
 
 def _floats(tree) -> list:
@@ -424,48 +476,78 @@ def _build(layer: ShardedLayer):
     policy = _POLICIES[remat] if isinstance(remat, str) else remat
     fn = layer.fn if policy is None else jax.checkpoint(layer.fn, policy=policy)
 
-    # Tied to the input, so that the gather waits for the layer before:
-    # without it, an in-order backend could gather every layer of an
-    # unrolled list at once and hold all their full weights together.
-    def tied(shard, x):
-        return shard if layer.prefetch else _tie(shard, x)
+    # The forward gather. Relayed: it waits for the previous layer's input
+    # (the token), so it runs behind the previous layer and no earlier.
+    # Prefetch alone: it depends on the shard only. Otherwise it is tied to
+    # this layer's input, so that an in-order backend never gathers every
+    # layer of an unrolled list at once.
+    def tied(shard, x, token):
+        if token is not None or layer.prefetch:
+            return shard
+        return _after(shard, x)
 
     @jax.custom_vjp
-    def apply(shard, residual, x):
-        params, _ = layer._gather_forward(tied(shard, x))
-        return layer.fn(params, x)
+    def apply(shard, residual, x, token):
+        params, _ = layer._gather_forward(tied(shard, x, token), token)
+        return layer.fn(params, x), _signal(token, x)
 
-    def fwd(shard, residual, x):
-        params, secondary = layer._gather_forward(tied(shard, x))
+    def fwd(shard, residual, x, token):
+        params, secondary = layer._gather_forward(tied(shard, x, token), token)
         if remat == "full":
             y, kept = layer.fn(params, x), x
         else:
             y, kept = residuals.split_vjp(fn, params, x)
         saved = secondary if layer.config.hpz else shard
-        return y, (saved, residual, kept)
+        return (y, _signal(token, x)), (saved, residual, kept)
 
-    def bwd(res, g):
+    def bwd(res, cotangents):
+        g, g_token = cotangents
         saved, residual, kept = res
         # The re-gather must not be merged with the forward gather (the full
-        # weight would stay alive in between): tied to the cotangent, it
-        # waits for the later layer's backward pass; tied to the saved
-        # activations (prefetch), it may run behind it.
-        if layer.prefetch:
-            saved = _tie(saved, kept if _floats(kept) else g)
+        # weight would stay alive in between). Tied to the cotangent, it
+        # waits for the later layer's backward pass; relayed, it waits for
+        # the later layer's backward pass to *start* and runs behind it;
+        # tied to the saved activations (prefetch), it may run behind it.
+        # The barrier keeps XLA from fusing the re-gather's input with the
+        # forward gather's, which would make the forward gather wait for
+        # what the re-gather is tied to.
+        if g_token is not None:
+            saved = _after(lax.optimization_barrier(saved), (kept, g_token[:1]))
+        elif layer.prefetch:
+            saved = _after(lax.optimization_barrier(saved), kept if _floats(kept) else g)
         else:
             saved, g = lax.optimization_barrier((saved, g))
-            saved = _tie(saved, g)
+            saved = _after(saved, g)
         params = layer._gather_backward(saved)
         if remat == "full":
             _, vjp = jax.vjp(layer.fn, params, kept)
         else:
             vjp = residuals.pullback(kept, params)
         g_params, g_x = vjp(g)
+        if g_token is None:
+            shard_grad, new_residual = layer._reduce(g_params, residual)
+            return shard_grad, new_residual, g_x, None
+        # Relayed: the later layer's reduction has finished before this
+        # layer's input cotangent leaves, so that reduction ran behind this
+        # layer's backward compute and none piles up at the end of the step.
+        # (Also tying the cotangent to this layer's own weight gradient, so
+        # that its reduction could start earlier, cost memory with error
+        # feedback and overlap without it.)
+        g_x = _after(g_x, g_token[1:])
         shard_grad, new_residual = layer._reduce(g_params, residual)
-        return shard_grad, new_residual, g_x
+        started = _after(jnp.zeros((1,), jnp.float32), g)
+        return shard_grad, new_residual, g_x, jnp.concatenate([started, shard_grad[:1]])
 
     apply.defvjp(fwd, bwd)
     return apply
+
+
+def _signal(token, x):
+    """The relay token a layer hands on in the forward pass: zeros that
+    exist once the layer's input does (None when not relayed)."""
+    if token is None:
+        return None
+    return jnp.concatenate([_after(jnp.zeros((1,), jnp.float32), x), token[:1]])
 
 
 def _build_held(layer: ShardedLayer):

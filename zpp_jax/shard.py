@@ -48,6 +48,7 @@ from zpp_jax.partition import quant_float_dtypes
 from zpp_jax.unit import (
     UnitInfo,
     check_units,
+    clear_relay,
     place,
     run_unit,
     shard_dim,
@@ -388,6 +389,7 @@ def value_and_grad(f: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         value, grads = inner(*args, **kwargs)
+        clear_relay()
         grads_t = (grads,) if isinstance(argnums, int) else tuple(grads)
         out = []
         for pos, g in zip(positions, grads_t, strict=True):

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -225,20 +226,26 @@ def run_unit(
         ]
         return jax.tree.map(lambda a: a[None], out), new_state, new_args
 
-    def local(blocks, rep, state_values, arg_values, residual):
+    prefetch = prefetches(info.mesh)
+    token = _relay.take(info.mesh) if prefetch and layout is not None else None
+
+    def local(blocks, rep, state_values, arg_values, residual, token):
         inputs = (rep, state_values, arg_values)
         if layout is None:
-            return fn(None, inputs)
+            return fn(None, inputs), None
         layer = ShardedLayer(
             lambda full, x: fn(jax.tree.leaves(full), x),
             layout,
             info.config,
             reduction="sum",
-            prefetch=prefetches(info.mesh),
+            prefetch=prefetch,
         )
-        return layer(layout.pack(layout.treedef.unflatten(blocks)), inputs, residual)
+        shard = layout.pack(layout.treedef.unflatten(blocks))
+        if token is None:
+            return layer(shard, inputs, residual), None
+        return layer.relayed(shard, inputs, residual, token)
 
-    out, new_state, new_args = jax.shard_map(
+    (out, new_state, new_args), token = jax.shard_map(
         local,
         mesh=info.mesh,
         in_specs=(
@@ -247,8 +254,9 @@ def run_unit(
             P(),
             [P(AXES) if is_batch(x) else P() for _, x in arg_items],
             None if residual is None else P(AXES),
+            None if token is None else P(AXES),
         ),
-        out_specs=(P(AXES), P(), P()),
+        out_specs=((P(AXES), P(), P()), None if token is None else P(AXES)),
         check_vma=False,
     )(
         [v for _, v, _ in split],
@@ -256,7 +264,10 @@ def run_unit(
         [v for v, _ in state],
         [x.get_value() if isinstance(x, nnx.Variable) else x for _, x in arg_items],
         residual,
+        token,
     )
+    if token is not None:
+        _relay.put(info.mesh, token)
     changed = [
         (item, x)
         for item, x in zip(arg_items, new_args, strict=True)
@@ -267,6 +278,44 @@ def run_unit(
         nnx.update((args, kwargs), with_values(items, values))
     local_batch = None if batch is None else batch // n
     return jax.tree.map(lambda a: _unstack(a, local_batch), out), new_state
+
+
+class _Relay:
+    """The relay token of the last unit called in the current trace, per
+    mesh (see `ShardedLayer.relayed`): consecutive units of an unrolled
+    model are linked through it. A unit called in another trace (a scan
+    body, a remat region) starts a chain of its own. The last token stays
+    referenced until the next unit call on its mesh or `clear_relay` (which
+    the engine's `value_and_grad`, and so the `Trainer`, call when they
+    return)."""
+
+    def __init__(self) -> None:
+        self._last: dict[Mesh, tuple[Any, jax.Array]] = {}
+
+    def take(self, mesh: Mesh) -> jax.Array:
+        entry = self._last.pop(mesh, None)
+        if entry is not None and entry[0] == _trace():
+            return entry[1]
+        return jnp.zeros((2 * mesh.devices.size,), jnp.float32)
+
+    def put(self, mesh: Mesh, token: jax.Array) -> None:
+        self._last[mesh] = (_trace(), token)
+
+    def clear(self) -> None:
+        self._last.clear()
+
+
+def _trace():
+    return jax.extend.core.get_opaque_trace_state(convention="nnx")
+
+
+_relay = _Relay()
+
+
+def clear_relay() -> None:
+    """Drop the relay tokens held between unit calls (a differentiation
+    that traced units has returned: its chains are complete)."""
+    _relay.clear()
 
 
 def _batch_size(items) -> int | None:
