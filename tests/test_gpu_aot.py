@@ -169,16 +169,16 @@ def _share(report, kind, where=None):
 
 # Overlapped share of each kind of collective per step, on the compiled
 # schedule, against the bound of 0.9. The cases below the bound are marked
-# as expected failures: qgZ's all-to-alls and the hpZ re-gathers are not yet
-# scheduled behind matrix multiplies.
+# as expected failures: in the scanned GPT the reductions and the hpZ
+# re-gathers, in the unrolled Llama the cross-node step of qgZ and, with
+# error feedback, the hpZ re-gathers are not yet scheduled behind matrix
+# multiplies.
 _BELOW_BOUND = {
     ("gpt-125m", "zero3", "all-to-all"),
     ("gpt-125m", "zeropp", "all-gather"),
     ("gpt-125m", "zeropp", "all-to-all"),
     ("gpt-125m", "zeropp_ef", "all-gather"),
     ("gpt-125m", "zeropp_ef", "all-to-all"),
-    ("llama-7b", "zero3", "all-gather"),
-    ("llama-7b", "zeropp", "all-gather"),
     ("llama-7b", "zeropp", "all-to-all"),
     ("llama-7b", "zeropp_ef", "all-gather"),
     ("llama-7b", "zeropp_ef", "all-to-all"),
@@ -217,6 +217,16 @@ def test_forward_weight_gathers_run_behind_the_previous_layer(config):
 
     assert sum(forward_in_loop(c) for c in report["collectives"] if c["kind"] == "all-gather") >= 2
     assert _share(report, "all-gather", forward_in_loop) == 1.0
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_relayed_layers_gather_one_layer_ahead(config):
+    """In the unrolled Llama the units are relayed (`ShardedLayer.relayed`):
+    each forward gather waits for the previous layer's input and runs
+    behind that layer's matrix multiplies. At least 90% do (all but the
+    first units', which have nothing before them)."""
+    report = _report("llama-7b", config)
+    assert _share(report, "all-gather", lambda c: "transpose(" not in c["op"]) >= 0.9
 
 
 def test_comm_target_h200_prints_the_schedule(capsys):
