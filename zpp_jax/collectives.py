@@ -105,16 +105,22 @@ def from_bits(x: jax.Array, dtype) -> jax.Array:
     return lax.bitcast_convert_type(x, dtype)
 
 
+def _one_message(q: quant.QuantizedBlocks, lead: int, send, scale_dtype: str = "float32"):
+    """`send` (a collective on one array) applied to `q` as one message of
+    bytes (`quant.pack`: per index of the first `lead` axes, the codes then
+    the scales in `scale_dtype`, which they are exact in), and what it
+    returns unpacked under the leading axes it gives."""
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), q)
+    got = send(quant.pack(q, lead=lead, scale_dtype=scale_dtype))
+    return quant.unpack(got, like.codes, like.scales, scale_dtype)
+
+
 def _all_to_all(
     q: quant.QuantizedBlocks, axis: str, scale_dtype: str = "float32"
 ) -> quant.QuantizedBlocks:
     """Row j of codes and of scales to peer j along `axis` (tiled over the
-    leading axis), as one message of bytes (`quant.pack`): each row's codes
-    then its scales in `scale_dtype`, which they are exact in."""
-    sent = quant.pack(q, lead=1, scale_dtype=scale_dtype)
-    got = lax.all_to_all(sent, axis, 0, 0, tiled=True)
-    per_row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), q)
-    return quant.unpack(got, per_row.codes, per_row.scales, scale_dtype)
+    leading axis), as one message of bytes."""
+    return _one_message(q, 1, lambda a: lax.all_to_all(a, axis, 0, 0, tiled=True), scale_dtype)
 
 
 def quantized_gather(shard: jax.Array, bits: int, block_size: int) -> quant.QuantizedBlocks:
@@ -123,16 +129,13 @@ def quantized_gather(shard: jax.Array, bits: int, block_size: int) -> quant.Quan
     (N, nb), row d from device d.
 
     Moves (N-1) * quant.wire_bytes(s) bytes: s (int8) or s/2 (int4) bytes per
-    peer plus 4 bytes per block, against 4s for fp32 or 2s for bf16. Codes
-    and scales travel as two collectives: kept apart, each gathered tensor is
-    one contiguous run, and cutting the layer's leaves out of the dequantized
-    weight is a plain slice (from codes and scales interleaved per block it
-    cost XLA:CPU 13x more).
+    peer plus 4 bytes per block, against 4s for fp32 or 2s for bf16, as one
+    collective of bytes (codes, then scales: each device's codes stay one
+    contiguous run).
     """
     axes = bound_axes()
-    return jax.tree.map(
-        lambda a: lax.all_gather(a, axes), kernels.quantize(shard, bits, block_size)
-    )
+    q = kernels.quantize(shard, bits, block_size)
+    return _one_message(q, 0, lambda a: lax.all_gather(a, axes))
 
 
 def quantized_all_gather(

@@ -11,6 +11,7 @@ keep) and reduces the weight gradient straight to the primary shard.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -217,10 +218,14 @@ class ShardedLayer:
 
     def _unpack_rows(self, rows):
         """Gathered wire rows (N, bytes) -> `quant.QuantizedBlocks` rows."""
-        like = jax.eval_shape(
+        return quant.unpack(rows, self._wire_parts.codes, self._wire_parts.scales)
+
+    @functools.cached_property
+    def _wire_parts(self) -> quant.QuantizedBlocks:
+        """Shapes and dtypes of one device's quantized shard (traced once)."""
+        return jax.eval_shape(
             self._quantized, jax.ShapeDtypeStruct((self.layout.shard_size,), jnp.float32)
         )
-        return quant.unpack(rows, like.codes, like.scales)
 
     def _quantized(self, shard):
         """This device's shard quantized: int8/int4 codes and fp32 scales

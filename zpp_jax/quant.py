@@ -80,13 +80,13 @@ def unpack(
     `codes_like`'s trailing axes and dtype, fp32 scales shaped like
     `scales_like`'s, each under `buf`'s leading axes. `codes_like` and
     `scales_like` give the per-peer shapes (arrays or ShapeDtypeStructs)."""
-    width = scales_like.size * jnp.dtype(scale_dtype).itemsize
+    item = jnp.dtype(scale_dtype).itemsize
+    width = scales_like.size * item
     head = buf.shape[:-1]
     codes = buf[..., : buf.shape[-1] - width]
     if codes_like.dtype != jnp.uint8:
         codes = lax.bitcast_convert_type(codes, codes_like.dtype)
     scale_bytes = buf[..., buf.shape[-1] - width :]
-    item = jnp.dtype(scale_dtype).itemsize
     scales = lax.bitcast_convert_type(scale_bytes.reshape(head + (-1, item)), scale_dtype)
     return QuantizedBlocks(
         codes.reshape(head + codes_like.shape),
