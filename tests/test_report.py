@@ -19,20 +19,23 @@ HloModule m
 ENTRY %main (a: f32[8]) -> f32[8] {
   %w = (s32[], f32[8]{0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
   %rs = bf16[2]{0} reduce-scatter(%y), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+  %cp = u8[16]{0} collective-permute(%z), channel_id=4, source_target_pairs={{0,4},{4,0},{1,5},{5,1}}, metadata={op_name="ppermute"}
 }
 """  # noqa: E501
 
 
 def test_parses_groups_trip_counts_and_ring_bytes():
-    ag, ar, rs = collectives_in_hlo(HLO)
+    ag, ar, rs, cp = collectives_in_hlo(HLO)
     assert ag.groups == ((0, 1, 2, 3), (4, 5, 6, 7)) and not ag.spans_nodes(4)
     assert ar.groups == ((0, 4), (1, 5), (2, 6), (3, 7)) and ar.spans_nodes(4)
     assert (ag.runs, ar.runs, rs.runs) == (6, 6, 1)
     assert ag.moved_bytes == 32 * 3 / 4  # (g-1)/g of the gathered buffer
     assert ar.moved_bytes == 2 * 32 * 1 / 2  # all-reduce: 2(g-1)/g
     assert rs.moved_bytes == 4 * 4 * 3 / 4  # reduce-scatter: of the full input
+    assert cp.groups == ((0, 4), (4, 0), (1, 5), (5, 1)) and cp.spans_nodes(4)
+    assert cp.moved_bytes == 16  # a permute: its whole buffer
     summary = summarize(HLO, 4)
-    assert summary.cross_node_bytes == 6 * 32
+    assert summary.cross_node_bytes == 6 * 32 + 16
     assert summary.intra_node_bytes == 6 * 24 + 12
 
 

@@ -242,7 +242,7 @@ def _groups(line: str) -> tuple[tuple[int, ...], ...]:
         return tuple(
             tuple(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([\d,]*)\}", body)
         )
-    m = re.search(r"source_target_pairs=\{(?P<body>[^}]*(?:\}[^}]*)*?)\}\s*(?:,|$)", line)
+    m = re.search(r"source_target_pairs=\{(?P<body>(?:\{\d+,\d+\},?)*)\}", line)
     if m:
         return tuple(
             tuple(int(i) for i in p.split(","))
