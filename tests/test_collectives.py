@@ -3,9 +3,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from bounds import quant_steps, two_rounding_bound
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from zpp_jax import AXES, collectives, make_mesh, mesh_shape, quant
+from zpp_jax import AXES, NODE, collectives, make_mesh, mesh_shape, quant
 from zpp_jax.step_report import collectives_in_hlo
 
 
@@ -137,20 +138,40 @@ def test_int4_travels_two_codes_per_byte(mesh24):
     n = nodes * local
     f = _hier(mesh24, 4, block)
     hlo = f.lower(jnp.ones((n, n * s)), jnp.zeros((n, 1))).compile().as_text()
-    a2a = [c for c in collectives_in_hlo(hlo) if c.kind == "all-to-all"]
-    # Per step (inside the node, then across nodes): one all-to-all of bytes,
-    # each peer's codes (two per byte) followed by its fp32 scales.
-    assert len(a2a) == 2
-    (intra,) = [c for c in a2a if not c.spans_nodes(local)]
-    (inter,) = [c for c in a2a if c.spans_nodes(local)]
-    assert intra.dtypes == ("u8",) * local and inter.dtypes == ("u8",) * nodes
+    cs = collectives_in_hlo(hlo)
+    # Inside the node, one all-to-all of bytes: each peer's codes (two per
+    # byte) followed by its fp32 scales. Across nodes, one permute per peer
+    # node, carrying that node's chunk the same way.
+    (intra,) = [c for c in cs if c.kind == "all-to-all"]
+    inter = [c for c in cs if c.kind == "collective-permute"]
+    assert not intra.spans_nodes(local) and intra.dtypes == ("u8",) * local
+    assert len(inter) == nodes - 1 and all(c.spans_nodes(local) for c in inter)
     # codes: half a byte per element; scales: 4 bytes per block
     assert intra.result_bytes == 4 * (n * s // block) + n * s // 2
-    assert inter.result_bytes == 4 * (nodes * s // block) + nodes * s // 2
-    inter = [inter]
+    assert all(c.dtypes == ("u8",) and c.result_bytes == 4 * (s // block) + s // 2 for c in inter)
     fp32_bytes = n * s * 4
-    inter_bytes = sum(c.result_bytes for c in inter)
-    assert inter_bytes * 8 * local <= fp32_bytes * 1.04  # scales: 4 bytes per 128 code bytes
+    inter_bytes = sum(c.moved_bytes for c in inter)
+    # 1/(8 * local) of the fp32 vector per node; scales: 4 bytes per 128 code bytes
+    assert inter_bytes * 8 * local * nodes <= fp32_bytes * 1.04
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
+def test_the_step_across_nodes_sends_each_peer_node_its_chunk(shape):
+    """The exchange over `node` (collective-permutes) returns what an
+    all-to-all returns, row j from node j, on 2 and on 4 nodes."""
+    mesh = make_mesh(*shape)
+    nodes = shape[0]
+    x = jnp.arange(8 * nodes * 3, dtype=jnp.float32).reshape(8, nodes, 3)
+
+    def body(fn):
+        return _smap(mesh, lambda a: fn(a[0])[None], P(AXES), P(AXES))
+
+    def all_to_all(a):
+        return lax.all_to_all(a, NODE, 0, 0, tiled=True)
+
+    got = body(lambda a: collectives._permute_rows(a, NODE))(x)
+    want = body(all_to_all)(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_bf16_scales_travel_in_two_bytes(mesh24):
@@ -166,10 +187,9 @@ def test_bf16_scales_travel_in_two_bytes(mesh24):
     f = _smap(mesh24, body, P(AXES, None), P(AXES))
     g = _per_device_full(mesh24, s)
     hlo = f.lower(g).compile().as_text()
-    a2a = [c for c in collectives_in_hlo(hlo) if c.kind == "all-to-all"]
-    (inter,) = [c for c in a2a if c.spans_nodes(local)]
-    assert inter.dtypes == ("u8",) * nodes
-    assert inter.result_bytes == 2 * (nodes * s // block) + nodes * s // 2
+    (inter,) = [c for c in collectives_in_hlo(hlo) if c.kind == "collective-permute"]
+    assert inter.spans_nodes(local) and inter.dtypes == ("u8",)
+    assert inter.result_bytes == 2 * (s // block) + s // 2  # the peer node's chunk
     out = np.asarray(f(g), np.float64)
     exact = np.asarray(g, np.float64).mean(0)
     bound = two_rounding_bound(np.asarray(g), nodes, local, 4, block, scale_dtype="bfloat16")

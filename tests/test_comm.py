@@ -77,13 +77,13 @@ def test_zeropp_matches_the_analytic_count(mesh):
     # hpZ gathers the int8 forward weight over `node` (the secondary shard),
     # then over `local`; the backward gathers over `local` only.
     cross = (nodes - 1) / nodes * nodes * w8  # forward gather across nodes
-    cross += (nodes - 1) / nodes * nodes * w4  # qgZ all-to-all across nodes
+    cross += (nodes - 1) / nodes * nodes * w4  # qgZ permutes across nodes
     intra = 2 * (local - 1) / local * n * w8  # forward and backward gathers in the node
     intra += (local - 1) / local * n * w4  # qgZ all-to-all inside the node
     assert _in_loop(r, layers, True) == layers * cross
     assert _in_loop(r, layers, False) == layers * intra
     kinds = {(c["kind"], c["spans_nodes"]) for c in r["collectives"]}
-    assert ("all-gather", False) in kinds and ("all-to-all", True) in kinds
+    assert ("all-gather", False) in kinds and ("collective-permute", True) in kinds
 
 
 def test_cli_json(capsys):

@@ -108,9 +108,7 @@ def test_every_kernel_is_compiled_for_sm90(tmp_path):
 
 
 def trainer_flags(trainer):
-    from zpp_jax import xla_flags
-
-    return xla_flags(trainer.mesh)
+    return trainer.compiler_options
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -158,51 +156,59 @@ def test_state_and_peak_memory_fit_an_h200(model, config):
     assert report["state_bytes"] < report["peak_memory_bytes"] < _device_memory()
 
 
-def _share(report, kind, where=None):
+# The collectives of each role: weight gathers, and gradient reductions
+# (a reduce-scatter, or the all-to-alls of a narrow wire and of qgZ, whose
+# step across nodes is a permute).
+ROLES = {
+    "gathers": ("all-gather",),
+    "reductions": ("reduce-scatter", "all-to-all", "collective-permute"),
+}
+
+
+def _share(report, kinds, where=None):
     hit = total = 0
     for c in report["collectives"]:
-        if c["kind"] == kind and (where is None or where(c)):
+        if c["kind"] in kinds and (where is None or where(c)):
             total += c["runs"]
             hit += c["runs"] * bool(c["behind"])
     return hit / total
 
 
-# Overlapped share of each kind of collective per step, on the compiled
+# Overlapped share of each role's collectives per step, on the compiled
 # schedule, against the bound of 0.9. The cases below the bound are marked
 # as expected failures: in the scanned GPT the reductions and the hpZ
-# re-gathers, in the unrolled Llama the cross-node step of qgZ and, with
-# error feedback, the hpZ re-gathers are not yet scheduled behind matrix
+# re-gathers, and in the unrolled Llama with error feedback the hpZ
+# re-gathers and the reductions, are not yet scheduled behind matrix
 # multiplies.
 _BELOW_BOUND = {
-    ("gpt-125m", "zero3", "all-to-all"),
-    ("gpt-125m", "zeropp", "all-gather"),
-    ("gpt-125m", "zeropp", "all-to-all"),
-    ("gpt-125m", "zeropp_ef", "all-gather"),
-    ("gpt-125m", "zeropp_ef", "all-to-all"),
-    ("llama-7b", "zeropp", "all-to-all"),
-    ("llama-7b", "zeropp_ef", "all-gather"),
-    ("llama-7b", "zeropp_ef", "all-to-all"),
+    ("gpt-125m", "zero3", "reductions"),
+    ("gpt-125m", "zeropp", "gathers"),
+    ("gpt-125m", "zeropp", "reductions"),
+    ("gpt-125m", "zeropp_ef", "gathers"),
+    ("gpt-125m", "zeropp_ef", "reductions"),
+    ("llama-7b", "zeropp_ef", "gathers"),
+    ("llama-7b", "zeropp_ef", "reductions"),
 }
 
 
 @pytest.mark.parametrize(
-    "model,config,kind",
+    "model,config,role",
     [
         pytest.param(
             m,
             c,
-            k,
+            r,
             marks=pytest.mark.xfail(strict=True, reason="not yet overlapped")
-            if (m, c, k) in _BELOW_BOUND
+            if (m, c, r) in _BELOW_BOUND
             else (),
         )
         for m in MODELS
         for c in CONFIGS
-        for k in ("all-gather", "all-to-all")
+        for r in ROLES
     ],
 )
-def test_collectives_run_behind_matrix_multiplies(model, config, kind):
-    assert _share(_report(model, config), kind) >= 0.9
+def test_collectives_run_behind_matrix_multiplies(model, config, role):
+    assert _share(_report(model, config), ROLES[role]) >= 0.9
 
 
 @pytest.mark.parametrize("config", ["zeropp", "zeropp_ef"])
@@ -216,7 +222,7 @@ def test_forward_weight_gathers_run_behind_the_previous_layer(config):
         return c["runs"] > 1 and "transpose(" not in c["op"]
 
     assert sum(forward_in_loop(c) for c in report["collectives"] if c["kind"] == "all-gather") >= 2
-    assert _share(report, "all-gather", forward_in_loop) == 1.0
+    assert _share(report, ("all-gather",), forward_in_loop) == 1.0
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -226,7 +232,7 @@ def test_relayed_layers_gather_one_layer_ahead(config):
     behind that layer's matrix multiplies. At least 90% do (all but the
     first units', which have nothing before them)."""
     report = _report("llama-7b", config)
-    assert _share(report, "all-gather", lambda c: "transpose(" not in c["op"]) >= 0.9
+    assert _share(report, ("all-gather",), lambda c: "transpose(" not in c["op"]) >= 0.9
 
 
 def test_comm_target_h200_prints_the_schedule(capsys):

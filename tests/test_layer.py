@@ -177,16 +177,16 @@ def test_each_switch_changes_only_its_own_collectives(mesh24):
         # hpZ: over `node` then `local` forward, over `local` alone backward
         "hpz": ({"hpz": True}, [(2, u32), (4, u32), (4, u32)], base_g),
         # qgZ: bytes (codes, then bf16 scales) all-to-all inside the node,
-        # then across nodes
+        # then a permute of the other node's chunk across nodes
         "qgz": (
             {"quantize_gradients": True},
             base_w,
-            [("all-to-all", 2, u8 * 2), ("all-to-all", 4, u8 * 4)],
+            [("all-to-all", 4, u8 * 4), ("collective-permute", 2, u8)],
         ),
         "qgz int8, fp32 scales": (
             {"quantize_gradients": True, "gradient_bits": 8, "gradient_scale_dtype": "float32"},
             base_w,
-            [("all-to-all", 2, u8 * 2), ("all-to-all", 4, u8 * 4)],
+            [("all-to-all", 4, u8 * 4), ("collective-permute", 2, u8)],
         ),
         # a bf16 wire for the unquantized collectives: 16-bit payloads
         "bf16 wire": (

@@ -23,6 +23,31 @@ def test_gpu_options_turn_on_the_latency_hiding_scheduler_and_pipeliners():
     assert xla_flags("gpu")["xla_gpu_enable_pipelined_all_gather"] is True
 
 
+def test_unrolled_units_let_collectives_of_different_kinds_overlap():
+    limit = "xla_gpu_experimental_parallel_collective_overlap_limit"
+    assert limit not in xla_flags("gpu") and xla_flags("gpu", unrolled=True)[limit] == 3
+    assert xla_flags("cpu", unrolled=True) == {}
+
+
+def test_the_trainer_chooses_the_options_by_its_model():
+    """A stack under a layer loop keeps XLA's one collective in flight; a
+    model whose units are all single layers is unrolled (on a GPU mesh)."""
+    import optax
+    from flax import nnx
+
+    from zpp_jax import Trainer
+    from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
+    from zpp_jax.shard import has_stacked_units
+
+    mesh = make_mesh(2, 4)
+    gpt = GPT(GPTConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32), nnx.Rngs(0))
+    llama = Llama(LlamaConfig.preset("tiny", n_layers=2), nnx.Rngs(0))
+    for model, stacked in ((gpt, True), (llama, False)):
+        trainer = Trainer(model, optax.sgd(0.1), mesh)
+        assert has_stacked_units(model) is stacked
+        assert trainer.compiler_options == {}  # a CPU mesh
+
+
 def test_target_description_errors_name_the_fix(tmp_path, monkeypatch):
     monkeypatch.delenv(TARGET_CONFIG_ENV, raising=False)
     with pytest.raises(UsageError, match=TARGET_CONFIG_ENV):

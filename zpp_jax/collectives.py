@@ -123,6 +123,33 @@ def _all_to_all(
     return _one_message(q, 1, lambda a: lax.all_to_all(a, axis, 0, 0, tiled=True), scale_dtype)
 
 
+def _exchange(
+    q: quant.QuantizedBlocks, axis: str, scale_dtype: str = "float32"
+) -> quant.QuantizedBlocks:
+    """What `_all_to_all` returns (row j from peer j along `axis`), sent as
+    one collective-permute per peer distance: axis size - 1 messages of one
+    row each, the bytes of the all-to-all (with 2 peers, one message).
+
+    qgZ's step across nodes travels this way. XLA:GPU's scheduler keeps at
+    most one collective of each kind in flight: as a permute, this step
+    does not queue behind the intra-node all-to-all of the next layer's
+    reduction, and with the engine's options (`zpp_jax.schedule`) each runs
+    behind compute."""
+    return _one_message(q, 1, lambda a: _permute_rows(a, axis), scale_dtype)
+
+
+def _permute_rows(a: jax.Array, axis: str) -> jax.Array:
+    k = a.shape[0]
+    me = lax.axis_index(axis)
+    own = lax.dynamic_index_in_dim(a, me, 0, keepdims=False)
+    out = lax.dynamic_update_index_in_dim(jnp.zeros_like(a), own, me, 0)
+    for d in range(1, k):
+        row = lax.dynamic_index_in_dim(a, (me + d) % k, 0, keepdims=False)
+        got = lax.ppermute(row, axis, [(j, (j + d) % k) for j in range(k)])
+        out = lax.dynamic_update_index_in_dim(out, got, (me - d) % k, 0)
+    return out
+
+
 def quantized_gather(shard: jax.Array, bits: int, block_size: int) -> quant.QuantizedBlocks:
     """qwZ: quantize this device's shard (s,) and all-gather it over every
     device, still quantized: codes (N, nb, block_bytes) and fp32 scales
@@ -206,7 +233,9 @@ def hierarchical_reduce_scatter(
     peer reduces become contiguous; each chunk of s elements has its own
     blocks); all-to-all over `local`; one fused kernel dequantizes what
     arrived, sums it in fp32 and requantizes it with the same blocks;
-    all-to-all over `node` on 1/local of the data; dequantize and sum in fp32.
+    an exchange over `node` on 1/local of the data (the bytes of an
+    all-to-all, as nodes-1 collective-permutes: see `_exchange`); dequantize
+    and sum in fp32.
     A step over an axis of size 1 moves nothing and is skipped, quantization
     included. Both quantizations round as `rounding` says ("nearest" or
     "stochastic") and make scales exact in `scale_dtype`, the dtype they
@@ -298,7 +327,7 @@ def hierarchical_reduce_scatter(
         if r_node is not None:
             r_node = rows - kernels.dequantize(q, bits, s)
     if nodes > 1:
-        arrived = _all_to_all(q, NODE, scale_dtype)
+        arrived = _exchange(q, NODE, scale_dtype)
         shard = _dequantize_sum(arrived, bits, s)
     else:  # a 1 x 1 mesh: nothing to reduce
         shard = kernels.dequantize(q, bits, s)[0]

@@ -39,9 +39,27 @@ def prefetches(mesh: Mesh) -> bool:
     return platform(mesh) in _GPU_PLATFORMS
 
 
-def xla_flags(mesh_or_platform: Mesh | str) -> dict:
+# Up to three collectives of different kinds in flight at once (XLA's
+# default is one): in the backward pass of relayed units, one unit's
+# re-gather, the next unit's intra-node all-to-all and its permute across
+# nodes each run behind the same compute instead of queueing for it. Only
+# for programs whose units are all called one after another: in a layer
+# loop the pipelined gathers then run beside the reductions instead of
+# behind matrix multiplies.
+_UNROLLED_GPU_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 3}
+
+
+def xla_flags(mesh_or_platform: Mesh | str, unrolled: bool = False) -> dict:
     """The XLA options the engine compiles its steps with on this platform
     (a mesh or a platform name): ``jax.jit(..., compiler_options=...)``.
-    Empty on CPU and TPU."""
+    Empty on CPU and TPU.
+
+    `unrolled`: no unit of the program is a stack run by a layer loop
+    (``nnx.scan``), so its units are relayed one after another (see
+    `ShardedLayer.relayed`); on a GPU the options then let collectives of
+    different kinds be in flight together. `zpp.Trainer` passes it from the
+    model it shards."""
     name = mesh_or_platform if isinstance(mesh_or_platform, str) else platform(mesh_or_platform)
-    return dict(_GPU_OPTIONS) if name in _GPU_PLATFORMS else {}
+    if name not in _GPU_PLATFORMS:
+        return {}
+    return {**_GPU_OPTIONS, **(_UNROLLED_GPU_OPTIONS if unrolled else {})}

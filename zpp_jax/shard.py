@@ -292,7 +292,11 @@ def _make_unit(module, mesh, config, compute_dtype, n):
                 zero_residual(config, call, mesh, lead_shape, abstract)
             )
     module._zpp = UnitInfo(
-        mesh, config, None if compute_dtype is None else jnp.dtype(compute_dtype), tuple(dims)
+        mesh,
+        config,
+        None if compute_dtype is None else jnp.dtype(compute_dtype),
+        tuple(dims),
+        stacked,
     )
     module.__class__ = _sharded_class(type(module))
 
@@ -340,6 +344,14 @@ def _unit_call(self, *args, **kwargs):
 
 
 # -- after training -----------------------------------------------------------------
+
+
+def has_stacked_units(model: nnx.Module) -> bool:
+    """Whether any unit of a model `shard` sharded is a stack of layers (run
+    by a layer loop, ``nnx.scan``) rather than one layer called once."""
+    return any(
+        getattr(getattr(m, "_zpp", None), "stacked", False) for _, m in nnx.iter_modules(model)
+    )
 
 
 def unshard(model: nnx.Module) -> nnx.Module:

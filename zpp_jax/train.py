@@ -34,7 +34,14 @@ from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError, check_positive_finite
 from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.schedule import xla_flags
-from zpp_jax.shard import Policy, batch_sharding, on_mesh, shard, value_and_grad
+from zpp_jax.shard import (
+    Policy,
+    batch_sharding,
+    has_stacked_units,
+    on_mesh,
+    shard,
+    value_and_grad,
+)
 
 LossFn = Callable[[nnx.Module, dict], jax.Array]
 
@@ -114,7 +121,9 @@ class Trainer:
             # state) go onto the mesh, replicated, so the state lives on it whole.
             self._state = on_mesh(state, mesh)
         self._state_specs = jax.tree.map(lambda a: a.sharding.spec, self._state)
-        options = xla_flags(mesh) or None
+        # The engine's XLA options for this mesh and model (`zpp.xla_flags`).
+        self.compiler_options = xla_flags(mesh, unrolled=not has_stacked_units(sharded))
+        options = self.compiler_options or None
         self.train_step = jax.jit(self._train_step, donate_argnums=0, compiler_options=options)
         self.eval_step = jax.jit(self._eval_step, compiler_options=options)
 

@@ -42,6 +42,7 @@ class UnitInfo:
     config: ZeroPPConfig
     compute_dtype: Any
     dims: tuple[tuple[Any, int | None, int], ...]  # (key, split dimension, ndim) as stored
+    stacked: bool = False  # a stack of layers, called inside a layer loop
 
 
 def check_units(units: Sequence[tuple], fix: str) -> None:
