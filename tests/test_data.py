@@ -1,5 +1,6 @@
 import dataclasses
 import math
+import shutil
 
 import corpora
 import numpy as np
@@ -197,18 +198,19 @@ def test_resume_refuses_another_tokenizer(tmp_path):
         tokenizer="bpe:300",
         seq_len=8,
         batch=8,
-        steps=1,
+        steps=2,
         eval_every=0,
         eval_batches=1,
         ckpt_dir=str(ckpt),
         ckpt_every=1,
         progress=False,
     )
-    run(base)
+    straight = run(base)
+    shutil.rmtree(ckpt / "2")  # as if stopped after checkpoint 1
     saved = ckpt / "tokenizer.json"
     other = tmp_path / "other.json"
     train_bpe(corpora.text(seed=1), 300).save(other)
-    resume = dataclasses.replace(base, steps=2, resume=True)
+    resume = dataclasses.replace(base, resume=True)
     for tokenizer, message in [
         ("bpe:400", r"bpe:400 does not match .*tokenizer.json, the BPE of 300 ids"),
         ("byte", r"byte does not match .*tokenizer.json, the tokenizer the checkpoints"),
@@ -217,7 +219,6 @@ def test_resume_refuses_another_tokenizer(tmp_path):
         with pytest.raises(ValueError, match=message):
             run(dataclasses.replace(resume, tokenizer=tokenizer))
     resumed = run(dataclasses.replace(resume, tokenizer=str(saved)))
-    straight = run(dataclasses.replace(base, steps=2, ckpt_dir=str(tmp_path / "straight")))
     assert [r["step"] for r in resumed] == [2]
     for key in ("loss", "grad_norm", "val_loss", "val_bpb"):  # bit for bit
         assert resumed[0][key] == straight[1][key], key

@@ -4,6 +4,7 @@
 import dataclasses
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -70,8 +71,8 @@ def test_pipelined_llama_training_equals_unpipelined():
 @pytest.mark.slow
 def test_resume_of_a_pipelined_run_is_bitwise(tmp_path):
     """ZeRO++ with error feedback inside the stages (the residuals are part
-    of the state): a run stopped after checkpoint 1 and resumed ends with the
-    metrics and the state of a run never stopped, bit for bit."""
+    of the state): a run stopped after checkpoint 1 and resumed by a new run
+    ends with the metrics and the state of a run never stopped, bit for bit."""
     zero = ZeroPPConfig(error_feedback=True)
     cfg = dataclasses.replace(BASE, zero=zero, steps=2, eval_every=1, **PIPE)
 
@@ -81,7 +82,12 @@ def test_resume_of_a_pipelined_run_is_bitwise(tmp_path):
         return run(dataclasses.replace(cfg, steps=steps, resume=resume, **out))
 
     train("a", 2)
-    train("b", 1)
+    # b: run a as it was when stopped after checkpoint 1 (its directory and
+    # its metrics then), resumed by a new run
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "2")
+    lines = (tmp_path / "a.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "b.jsonl").write_text("".join(x for x in lines if json.loads(x)["step"] <= 1))
     assert [r["step"] for r in train("b", 2, resume=True)] == [2]
     records = {
         k: [json.loads(x) for x in (tmp_path / f"{k}.jsonl").read_text().splitlines()] for k in "ab"

@@ -29,23 +29,21 @@ def test_unrolled_units_let_collectives_of_different_kinds_overlap():
     assert xla_flags("cpu", unrolled=True) == {}
 
 
-def test_the_trainer_chooses_the_options_by_its_model():
-    """A stack under a layer loop keeps XLA's one collective in flight; a
-    model whose units are all single layers is unrolled (on a GPU mesh)."""
-    import optax
+def test_stacks_are_told_from_single_layers():
+    """What `Trainer` passes as `unrolled`: a stack under a layer loop keeps
+    XLA's one collective in flight; units that are all single layers are
+    unrolled."""
     from flax import nnx
 
-    from zpp_jax import Trainer
+    from zpp_jax import ZeroPPConfig, shard
     from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
     from zpp_jax.shard import has_stacked_units
 
     mesh = make_mesh(2, 4)
     gpt = GPT(GPTConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32), nnx.Rngs(0))
     llama = Llama(LlamaConfig.preset("tiny", n_layers=2), nnx.Rngs(0))
-    for model, stacked in ((gpt, True), (llama, False)):
-        trainer = Trainer(model, optax.sgd(0.1), mesh)
-        assert has_stacked_units(model) is stacked
-        assert trainer.compiler_options == {}  # a CPU mesh
+    assert has_stacked_units(shard(gpt, mesh, ZeroPPConfig()))
+    assert not has_stacked_units(shard(llama, mesh, ZeroPPConfig()))
 
 
 def test_target_description_errors_name_the_fix(tmp_path, monkeypatch):

@@ -1,4 +1,6 @@
+import dataclasses
 import functools
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -197,10 +199,16 @@ def test_resume_is_bitwise(tmp_path):
 
     def train(name, steps, resume=False):
         ckpt, metrics = str(tmp_path / name), str(tmp_path / f"{name}.jsonl")
-        return run(RunConfig(steps=steps, ckpt_dir=ckpt, metrics=metrics, resume=resume, **RUN))
+        cfg = RunConfig(steps=steps, ckpt_dir=ckpt, metrics=metrics, resume=resume, **RUN)
+        return run(dataclasses.replace(cfg, ckpt_every=2))
 
     train("a", 4)
-    train("b", 2)
+    # b: run a as it was when stopped after checkpoint 2 (its directory and
+    # its metrics then), resumed by a new run
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "4")
+    lines = (tmp_path / "a.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "b.jsonl").write_text("".join(x for x in lines if json.loads(x)["step"] <= 2))
     assert [r["step"] for r in train("b", 4, resume=True)] == [3, 4]  # the steps it had left
     records = {
         k: [json.loads(x) for x in (tmp_path / f"{k}.jsonl").read_text().splitlines()] for k in "ab"
