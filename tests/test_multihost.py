@@ -23,7 +23,7 @@ from zpp_jax.train import Trainer
 # No clipping (a bound far above the gradient norm): then only the reported
 # loss and norm are all-reduced, and the training trajectory depends on no
 # sum whose order differs between one process and two (the gradient
-# reduction is an all-to-all and fixed-order sums).
+# reduction is exchanges of codes and fixed-order sums).
 TRAIN = ["train", "--quiet", "--error-feedback", "--eval-every", "0", "--clip", "1e9"]
 TRAIN += ["--seq", "16", "--batch", "8"]
 ZERO = dict(error_feedback=True)
