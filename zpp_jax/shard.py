@@ -343,15 +343,15 @@ def _unit_call(self, *args, **kwargs):
     return out
 
 
-# -- after training -----------------------------------------------------------------
-
-
 def has_stacked_units(model: nnx.Module) -> bool:
     """Whether any unit of a model `shard` sharded is a stack of layers (run
     by a layer loop, ``nnx.scan``) rather than one layer called once."""
     return any(
         getattr(getattr(m, "_zpp", None), "stacked", False) for _, m in nnx.iter_modules(model)
     )
+
+
+# -- after training -----------------------------------------------------------------
 
 
 def unshard(model: nnx.Module) -> nnx.Module:
