@@ -83,7 +83,7 @@ def test_every_kernel_is_compiled_for_sm90(tmp_path):
     ptxas, to the cubin the program embeds): no reference fallback."""
     trainer = _trainer("gpt-125m", "zeropp_ef", _h200())
     compiled = trainer.compile_step(
-        _batch("gpt-125m"), {**trainer_flags(trainer), "xla_dump_to": str(tmp_path)}
+        _batch("gpt-125m"), {**trainer.compiler_options, "xla_dump_to": str(tmp_path)}
     )
     text = compiled.as_text()
     calls = [
@@ -105,10 +105,6 @@ def test_every_kernel_is_compiled_for_sm90(tmp_path):
             entries[re.sub(r"__\d+$", "", entry)] = ".target sm_90a" in body
     assert names <= set(entries), names - set(entries)
     assert all(entries[n] for n in names)
-
-
-def trainer_flags(trainer):
-    return trainer.compiler_options
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

@@ -4,7 +4,6 @@
 import dataclasses
 import json
 import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from stopped_run import copy_stopped_after
 
 from zpp_jax import Checkpointer, UsageError, ZeroPPConfig, make_pipeline_mesh
 from zpp_jax.cli.train import RunConfig, make_pipeline_trainer, parse_slices, run
@@ -84,10 +84,9 @@ def test_resume_of_a_pipelined_run_is_bitwise(tmp_path):
     train("a", 2)
     # b: run a as it was when stopped after checkpoint 1 (its directory and
     # its metrics then), resumed by a new run
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    shutil.rmtree(tmp_path / "b" / "2")
-    lines = (tmp_path / "a.jsonl").read_text().splitlines(keepends=True)
-    (tmp_path / "b.jsonl").write_text("".join(x for x in lines if json.loads(x)["step"] <= 1))
+    copy_stopped_after(
+        1, tmp_path / "a", tmp_path / "a.jsonl", tmp_path / "b", tmp_path / "b.jsonl"
+    )
     assert [r["step"] for r in train("b", 2, resume=True)] == [2]
     records = {
         k: [json.loads(x) for x in (tmp_path / f"{k}.jsonl").read_text().splitlines()] for k in "ab"

@@ -1,6 +1,5 @@
 import dataclasses
 import functools
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from stopped_run import copy_stopped_after
 
 from zpp_jax import Trainer, UsageError, ZeroPPConfig, cross_entropy, make_mesh, unshard
 from zpp_jax.cli.train import RunConfig, run
@@ -205,10 +205,9 @@ def test_resume_is_bitwise(tmp_path):
     train("a", 4)
     # b: run a as it was when stopped after checkpoint 2 (its directory and
     # its metrics then), resumed by a new run
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    shutil.rmtree(tmp_path / "b" / "4")
-    lines = (tmp_path / "a.jsonl").read_text().splitlines(keepends=True)
-    (tmp_path / "b.jsonl").write_text("".join(x for x in lines if json.loads(x)["step"] <= 2))
+    copy_stopped_after(
+        2, tmp_path / "a", tmp_path / "a.jsonl", tmp_path / "b", tmp_path / "b.jsonl"
+    )
     assert [r["step"] for r in train("b", 4, resume=True)] == [3, 4]  # the steps it had left
     records = {
         k: [json.loads(x) for x in (tmp_path / f"{k}.jsonl").read_text().splitlines()] for k in "ab"
