@@ -29,6 +29,11 @@ def test_unrolled_units_let_collectives_of_different_kinds_overlap():
     assert xla_flags("cpu", unrolled=True) == {}
 
 
+def test_unrolled_units_keep_their_permutes_apart():
+    combine = "xla_gpu_collective_permute_combine_threshold_bytes"
+    assert combine not in xla_flags("gpu") and xla_flags("gpu", unrolled=True)[combine] == 0
+
+
 def test_stacks_are_told_from_single_layers():
     """What `Trainer` passes as `unrolled`: a stack under a layer loop keeps
     XLA's one collective in flight; units that are all single layers are

@@ -39,14 +39,21 @@ def prefetches(mesh: Mesh) -> bool:
     return platform(mesh) in _GPU_PLATFORMS
 
 
-# Up to three collectives of different kinds in flight at once (XLA's
-# default is one): in the backward pass of relayed units, one unit's
-# re-gather, the next unit's intra-node all-to-all and its permute across
-# nodes each run behind the same compute instead of queueing for it. Only
-# for programs whose units are all called one after another: in a layer
-# loop the pipelined gathers then run beside the reductions instead of
-# behind matrix multiplies.
-_UNROLLED_GPU_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 3}
+# For programs whose units are all called one after another (relayed), not
+# for a layer loop, where the pipelined gathers would then run beside the
+# reductions instead of behind matrix multiplies:
+# * up to three collectives of different kinds in flight at once (XLA's
+#   default is one): in the backward pass one unit's re-gather, the next
+#   unit's intra-node all-to-all and its permute across nodes each run
+#   behind the same compute instead of queueing for it;
+# * no combining of collective-permutes: XLA would merge the permutes of
+#   consecutive units into one, which then waits for the later unit's
+#   gradient, and the relay that lets the earlier unit's permute finish
+#   behind the next layer's compute makes that layer wait for both.
+_UNROLLED_GPU_OPTIONS = {
+    "xla_gpu_experimental_parallel_collective_overlap_limit": 3,
+    "xla_gpu_collective_permute_combine_threshold_bytes": 0,
+}
 
 
 def xla_flags(mesh_or_platform: Mesh | str, unrolled: bool = False) -> dict:
