@@ -118,7 +118,7 @@ HloModule m, is_scheduled=true
   %ag = (u16[8,64]{1,0}, u16[64,64]{1,0}) all-gather-start(%y), ALL8, dimensions={0}, ASYNC
   %gemm = bf16[64,64]{1,0} fusion(%x, %x), kind=kCustom, calls=%gemm_computation, DOT
   %agd = u16[64,64]{1,0} all-gather-done(%ag)
-  %a2a = ((u8[8,32]{1,0}), u8[8,32]{1,0}) all-to-all-start(%z), NODE4, dimensions={0}, ASYNC
+  %a2a = ((u8[8,32]{1,0}), u8[8,32]{1,0}) all-to-all-start(%gemm), NODE4, dimensions={0}, ASYNC
   %add = bf16[64,64]{1,0} add(%x, %x)
   %a2ad = u8[8,32]{1,0} all-to-all-done(%a2a)
   ROOT %t = (s32[], bf16[64,64]{1,0}) tuple(%i, %gemm)
@@ -132,7 +132,7 @@ HloModule m, is_scheduled=true
 ENTRY %main (a: bf16[64,64]) -> bf16[64,64] {
   %a = bf16[64,64]{1,0} parameter(0)
   %w = (s32[], bf16[64,64]{1,0}) while(%init), condition=%cond, body=%body, TRIP6
-  %ar = f32[] all-reduce-start(%s), ALL8, to_apply=%add, SYNC
+  %ar = f32[] all-reduce-start(%w), ALL8, to_apply=%add, SYNC
   %ard = f32[] all-reduce-done(%ar)
   ROOT %r = bf16[64,64]{1,0} get-tuple-element(%w), index=1
 }
@@ -150,13 +150,27 @@ for _key, _text in {
 
 
 def test_schedule_overlap_reads_what_runs_behind_each_collective():
-    from zpp_jax.step_report import collectives_in_hlo, overlap_by_kind, schedule_overlap
+    from zpp_jax.step_report import (
+        collectives_in_hlo,
+        overlap_by_kind,
+        schedule_overlap,
+        unhideable_by_kind,
+    )
 
     scheduled = {s.name: s for s in schedule_overlap(_SCHEDULED)}
     assert scheduled["ag"].behind == ("jit(step)/layer/dot_general",)
     assert scheduled["ag"].runs == 6 and scheduled["ag"].is_async
     assert scheduled["a2a"].behind == ()  # only an add between start and done
     assert not scheduled["ar"].is_async  # XLA made it synchronous
+    # What some schedule could hide: the all-gather is independent of the
+    # iteration's matrix multiply; the all-to-all reduces its result, and
+    # the all-reduce that of the loop, the program's only one.
+    assert {n: s.hideable for n, s in scheduled.items()} == {"ag": True, "a2a": False, "ar": False}
+    assert unhideable_by_kind(list(scheduled.values())) == {
+        "all-gather": 0,
+        "all-to-all": 6,
+        "all-reduce": 1,
+    }
     assert overlap_by_kind(list(scheduled.values())) == {
         "all-gather": (6, 6),
         "all-to-all": (0, 6),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -256,7 +257,9 @@ def step_report(trainer, batch: dict) -> dict:
     nothing is run) and report its collectives, bytes per device per step
     across and inside nodes, peak memory per device, and, per collective,
     the matrix multiplies it is scheduled behind (`schedule_overlap`; none
-    on CPU, whose collectives are synchronous). The trainer may be abstract
+    on CPU, whose collectives are synchronous) and whether any could be
+    (`Scheduled.hideable`; those that cannot, per kind, under
+    "unhideable"). The trainer may be abstract
     (built on an ``nnx.eval_shape`` model, for a compile-only mesh)."""
     from zpp_jax.mesh import mesh_shape
 
@@ -278,6 +281,7 @@ def step_report(trainer, batch: dict) -> dict:
         "peak_memory_bytes": int(peak),
         "state_bytes": state_bytes_per_device(trainer.abstract_state()),
         "overlap": {k: list(v) for k, v in overlap_by_kind(list(behind.values())).items()},
+        "unhideable": unhideable_by_kind(list(behind.values())),
         "collectives": [
             {
                 "kind": c.kind,
@@ -290,6 +294,7 @@ def step_report(trainer, batch: dict) -> dict:
                 "async": c.name in behind and behind[c.name].is_async,
                 "behind": list(behind[c.name].behind) if c.name in behind else [],
                 "op": behind[c.name].op if c.name in behind else "",
+                "hideable": c.name not in behind or behind[c.name].hideable,
             }
             for c in summary.collectives
         ],
@@ -343,6 +348,11 @@ class Scheduled:
 
     behind: the matrix multiplies scheduled between its start and its done
     (their op names), empty when it runs alone or synchronously.
+    hideable: some matrix multiply of its computation (the program, or one
+    iteration of a loop) neither feeds its start nor needs its result, so
+    that a schedule of this program could run it behind one. False for,
+    typically, the gradient reductions of the units whose backward pass
+    comes last: no schedule can hide those.
     """
 
     name: str
@@ -351,6 +361,7 @@ class Scheduled:
     is_async: bool
     behind: tuple[str, ...]
     op: str = ""  # the collective's own op name (what the program was doing)
+    hideable: bool = True
 
     @property
     def overlapped(self) -> bool:
@@ -380,15 +391,18 @@ def schedule_overlap(hlo_text: str) -> list[Scheduled]:
 
     found = []
     for comp, lines in bodies.items():
+        graph = _Dataflow(lines, _line_has_gemm)
         for i, line in enumerate(lines):
             start = _ASYNC_START.match(line)
             if start:
                 name = start.group("name")
                 behind = []
                 sync = '"is_sync":true' in line
+                done_name = name
                 for later in lines[i + 1 :]:
                     done = _DONE.search(later)
                     if done and done.group("start") == name:
+                        done_name = _NAME.match(later).group("name")
                         break
                     if not sync and _line_has_gemm(later):
                         behind.append(_op(later) or _NAME.match(later).group("name"))
@@ -400,6 +414,7 @@ def schedule_overlap(hlo_text: str) -> list[Scheduled]:
                         not sync,
                         tuple(behind),
                         _op(line),
+                        graph.has_independent_gemm(name, done_name),
                     )
                 )
                 continue
@@ -413,9 +428,48 @@ def schedule_overlap(hlo_text: str) -> list[Scheduled]:
                         False,
                         (),
                         _op(line),
+                        graph.has_independent_gemm(plain.group("name"), plain.group("name")),
                     )
                 )
     return found
+
+
+class _Dataflow:
+    """The operand graph of one computation's instructions (operands and
+    control predecessors), and which of them are matrix multiplies."""
+
+    def __init__(self, lines: list[str], is_gemm: Callable[[str], bool]) -> None:
+        self.operands: dict[str, list[str]] = {}
+        self.users: dict[str, list[str]] = {}
+        self.gemms: set[str] = set()
+        for line in lines:
+            m = _NAME.match(line)
+            if not m:
+                continue
+            name = m.group("name")
+            rhs = line.split("=", 1)[1].split("metadata=")[0]
+            refs = [r for r in re.findall(r"%([\w.\-]+)", rhs) if r != name]
+            self.operands[name] = refs
+            for r in refs:
+                self.users.setdefault(r, []).append(name)
+            if is_gemm(line):
+                self.gemms.add(name)
+
+    def _reach(self, start: str, edges: dict[str, list[str]]) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in edges.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    def has_independent_gemm(self, start: str, done: str) -> bool:
+        """Whether a matrix multiply neither feeds `start` nor uses `done`."""
+        if not self.gemms:
+            return False
+        tied = self._reach(start, self.operands) | self._reach(done, self.users)
+        return bool(self.gemms - tied)
 
 
 def _op(line: str) -> str:
@@ -438,4 +492,13 @@ def overlap_by_kind(scheduled: list[Scheduled]) -> dict[str, tuple[int, int]]:
     for s in scheduled:
         hit, total = out.get(s.kind, (0, 0))
         out[s.kind] = (hit + s.runs * s.overlapped, total + s.runs)
+    return out
+
+
+def unhideable_by_kind(scheduled: list[Scheduled]) -> dict[str, int]:
+    """Per collective kind: runs per step that no schedule of the program
+    can run behind a matrix multiply (not `Scheduled.hideable`)."""
+    out: dict[str, int] = {}
+    for s in scheduled:
+        out[s.kind] = out.get(s.kind, 0) + s.runs * (not s.hideable)
     return out

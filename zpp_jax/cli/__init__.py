@@ -289,6 +289,13 @@ def _comm(args) -> int:
             line += "  " + ", ".join(f"{k} {a}/{b}" for k, (a, b) in r["overlap"].items())
         print(line)
     if args.target != "cpu":
+        print(
+            "runs per step that no schedule of the program can put behind a GEMM (every "
+            "GEMM of the program, or of their loop iteration, feeds them or needs them):"
+        )
+        for r in reports:
+            some = ", ".join(f"{k} {n}" for k, n in r["unhideable"].items() if n) or "none"
+            print(f"  {r['name']:10s}{some}")
         for r in reports:
             print(f"\n{r['name']}: each collective, runs per step, and what it runs behind")
             for c in r["collectives"]:
@@ -297,6 +304,8 @@ def _comm(args) -> int:
                     behind = f"{len(c['behind'])} GEMMs, first {_short_op(c['behind'][0])}"
                 else:
                     behind = "nothing (async, no GEMM before its done)" if c["async"] else "sync"
+                if not c["hideable"]:
+                    behind += "; no GEMM is independent of it"
                 print(
                     f"  {c['kind']:14s}{'/'.join(c['dtypes']):14s}{c['moved_bytes']:14,.0f} B "
                     f"x{c['runs']:<3d} {where:13s} behind: {behind}"
