@@ -13,6 +13,7 @@ import corpora
 import jax
 import numpy as np
 import pytest
+from stopped_run import copy_stopped_after
 
 from zpp_jax.checkpoint import Checkpointer
 from zpp_jax.cli.train import RunConfig, make_trainer
@@ -116,17 +117,17 @@ def _stop(procs):
 
 
 @pytest.mark.slow
-def test_two_processes_killed_and_resumed_equal_one(tmp_path):
-    """Two processes (2 x 4 devices, qwZ, hpZ, qgZ and error feedback) train
-    on a text of their own with a BPE trained on it (`--tokenizer bpe:300`);
-    each reads only its half of every batch. Process 1 is SIGKILLed after
-    checkpoint 2 * every, and the survivor stops within 15 s with exit
-    status 3 and its message. Both restarted with `zpp launch --nodes 2 --
-    train --resume` (the BPE the checkpoints saved, reused), the run ends as
-    one process on 2 x 4 devices ends, never stopped: the same losses up to
-    fp32 round-off (so the same global batches), each step recorded once,
-    and the same final state bit for bit (its checkpoint restored in this
-    single process)."""
+def test_two_processes_resume_a_stopped_run_and_equal_it(tmp_path):
+    """One process on 2 x 4 devices (qwZ, hpZ, qgZ and error feedback)
+    trains on a text of its own with a BPE trained on it (`--tokenizer
+    bpe:300`). Its directory as it was after checkpoint 2 * every is resumed
+    by two processes, `zpp launch --nodes 2 -- train --resume` (the BPE the
+    checkpoints saved, reused), each reading only its half of every batch.
+    The run ends as the one process ended: the same losses up to fp32
+    round-off (so the same global batches), each step recorded once, and the
+    same final state bit for bit (the two processes' last checkpoint,
+    restored in this single process). What a survivor does when its peer
+    is killed: `test_the_survivor_of_a_sigkilled_peer_exits_3`."""
     steps, every = 6, 2
     text = corpora.write(tmp_path / "text")
     args = [*TRAIN, "--data", str(text), "--tokenizer", "bpe:300"]
@@ -136,23 +137,8 @@ def test_two_processes_killed_and_resumed_equal_one(tmp_path):
     assert single.returncode == 0, single.stderr[-3000:]
 
     ckpt, metrics = tmp_path / "c2", tmp_path / "two.jsonl"
+    copy_stopped_after(2 * every, tmp_path / "c1", tmp_path / "one.jsonl", ckpt, metrics)
     two = [*args, "--ckpt-dir", str(ckpt), "--metrics", str(metrics)]
-    procs = _start_pair(two, _single_env())
-    try:
-        while not (ckpt / str(2 * every)).exists():
-            dead = [p for p in procs if p.poll() is not None]
-            assert not dead, dead[0].communicate()[1][-3000:]
-            time.sleep(0.05)
-        procs[1].send_signal(signal.SIGKILL)
-        # The survivor notices at its next collective, or when process 1
-        # misses its heartbeat (10 s): within 15 s either way.
-        _, err = procs[0].communicate(timeout=15)
-    finally:
-        _stop(procs)
-    assert procs[0].returncode == 3, err[-3000:]
-    assert "another process of this job has probably died" in err, err[-3000:]
-    last = Checkpointer(ckpt).latest_step()
-    assert last is not None and 2 * every <= last < steps
     resumed = _zpp(["launch", "--nodes", "2", "--", *two, "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for i, rows in enumerate(("0-3", "4-7")):
