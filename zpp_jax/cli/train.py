@@ -294,7 +294,7 @@ def build(cfg: RunConfig, log=print) -> Job:
         trainer = make_trainer(cfg)
     trainer.check_batch_size(cfg.batch)
     checkpointer = Checkpointer(cfg.ckpt_dir) if cfg.ckpt_dir else None
-    state, position = trainer.init(), 0
+    state, position = None, 0
     run_identity = runs.identity(cfg, text.fingerprint, text.tokenizer.fingerprint())
     if cfg.resume:
         restored = runs.restore_latest_intact(
@@ -312,6 +312,8 @@ def build(cfg: RunConfig, log=print) -> Job:
                 )
             if position == cfg.steps:
                 log(f"--resume: checkpoint {position} is the last step (--steps {cfg.steps})")
+    if state is None:  # a resumed run never initializes a state it would discard
+        state = trainer.init()
     job = Job(cfg, model_cfg, data, trainer, checkpointer, state, position, run_identity)
     job.slicing = slicing
     job.val_bytes_per_token = corpus.bytes_per_token(data, text.tokenizer)
