@@ -391,9 +391,12 @@ def schedule_overlap(hlo_text: str) -> list[Scheduled]:
 
     found = []
     for comp, lines in bodies.items():
-        graph = _Dataflow(lines, _line_has_gemm)
+        graph = None  # built for the computations that hold a collective
         for i, line in enumerate(lines):
             start = _ASYNC_START.match(line)
+            plain = None if start else _SYNC_COLLECTIVE.match(line)
+            if (start or plain) and graph is None:
+                graph = _Dataflow(lines, _line_has_gemm)
             if start:
                 name = start.group("name")
                 behind = []
@@ -404,8 +407,9 @@ def schedule_overlap(hlo_text: str) -> list[Scheduled]:
                     if done and done.group("start") == name:
                         done_name = _NAME.match(later).group("name")
                         break
-                    if not sync and _line_has_gemm(later):
-                        behind.append(_op(later) or _NAME.match(later).group("name"))
+                    named = _NAME.match(later)
+                    if not sync and named and named.group("name") in graph.gemms:
+                        behind.append(_op(later) or named.group("name"))
                 found.append(
                     Scheduled(
                         name,
@@ -418,7 +422,6 @@ def schedule_overlap(hlo_text: str) -> list[Scheduled]:
                     )
                 )
                 continue
-            plain = _SYNC_COLLECTIVE.match(line)
             if plain and not _DONE.search(line):
                 found.append(
                     Scheduled(
