@@ -78,6 +78,15 @@ class ZeroPPConfig:
         ``jax.checkpoint_policies.save_only_these_names("attn")``): what the
         policy saves is kept, the rest recomputed. Changes memory and time,
         not the math.
+      unroll_layer_loops: where units relay their collectives (a GPU mesh),
+        unroll every layer loop (``nnx.scan``, ``jax.lax.scan``) whose body
+        calls a sharded unit, and relay its units across iterations as an
+        unrolled model's are (`zpp_jax.loops`): one layer's gradient
+        reduction and the next layer's gather can then run behind the
+        neighbouring layers' matrix multiplies, which no schedule of a loop
+        body allows. The same arithmetic; the compiled program grows with
+        the number of layers (compile time). Off: layer loops stay loops.
+        No effect on a CPU mesh, whose collectives run in program order.
     """
 
     quantize_weights: bool = True
@@ -93,9 +102,16 @@ class ZeroPPConfig:
     gradient_scale_dtype: str = "bfloat16"
     comm_dtype: str | None = None
     remat: str | Callable[..., bool] = "dots"
+    unroll_layer_loops: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("quantize_weights", "hpz", "quantize_gradients", "error_feedback"):
+        for name in (
+            "quantize_weights",
+            "hpz",
+            "quantize_gradients",
+            "error_feedback",
+            "unroll_layer_loops",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.weight_bits not in _SUPPORTED_WEIGHT_BITS:

@@ -46,12 +46,16 @@ def prefetches(mesh: Mesh) -> bool:
 #   default is one): in the backward pass one unit's re-gather, the next
 #   unit's intra-node all-to-all and its permute across nodes each run
 #   behind the same compute instead of queueing for it;
-# * no combining of collective-permutes: XLA would merge the permutes of
-#   consecutive units into one, which then waits for the later unit's
-#   gradient, and the relay that lets the earlier unit's permute finish
-#   behind the next layer's compute makes that layer wait for both.
+# * no combining of collectives: XLA merges same-kind collectives of
+#   consecutive units below a size threshold (gathers of two layers, their
+#   permutes) into one, which then waits for the later unit's input (a
+#   gather) or gradient (a reduction); each unit's collective then no
+#   longer runs behind its neighbour's compute, and through the relay the
+#   next layer waits for both.
 _UNROLLED_GPU_OPTIONS = {
     "xla_gpu_experimental_parallel_collective_overlap_limit": 3,
+    "xla_gpu_all_gather_combine_threshold_bytes": 0,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
     "xla_gpu_collective_permute_combine_threshold_bytes": 0,
 }
 
@@ -62,10 +66,11 @@ def xla_flags(mesh_or_platform: Mesh | str, unrolled: bool = False) -> dict:
     Empty on CPU and TPU.
 
     `unrolled`: no unit of the program is a stack run by a layer loop
-    (``nnx.scan``), so its units are relayed one after another (see
-    `ShardedLayer.relayed`); on a GPU the options then let collectives of
-    different kinds be in flight together. `zpp.Trainer` passes it from the
-    model it shards."""
+    (``nnx.scan``), or its layer loops are unrolled (`zpp_jax.loops`), so
+    its units are relayed one after another (see `ShardedLayer.relayed`);
+    on a GPU the options then let collectives of different kinds be in
+    flight together, and keep each unit's collectives apart. `zpp.Trainer`
+    passes it from the model it shards."""
     name = mesh_or_platform if isinstance(mesh_or_platform, str) else platform(mesh_or_platform)
     if name not in _GPU_PLATFORMS:
         return {}

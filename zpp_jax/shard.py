@@ -43,8 +43,10 @@ from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
+from zpp_jax.loops import unroll_relayed_loops
 from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.partition import quant_float_dtypes
+from zpp_jax.schedule import prefetches
 from zpp_jax.unit import (
     UnitInfo,
     check_units,
@@ -346,9 +348,27 @@ def _unit_call(self, *args, **kwargs):
 def has_stacked_units(model: nnx.Module) -> bool:
     """Whether any unit of a model `shard` sharded is a stack of layers (run
     by a layer loop, ``nnx.scan``) rather than one layer called once."""
+    return any(info.stacked for info in _unit_infos(model))
+
+
+def unrolls_layer_loops(model: nnx.Module) -> bool:
+    """Whether a step of this sharded model unrolls its layer loops (see
+    `ZeroPPConfig.unroll_layer_loops`): some unit is a stack, on a mesh whose
+    units relay their collectives, configured to."""
     return any(
-        getattr(getattr(m, "_zpp", None), "stacked", False) for _, m in nnx.iter_modules(model)
+        info.stacked and info.config.unroll_layer_loops and prefetches(info.mesh)
+        for info in _unit_infos(model)
     )
+
+
+def _unit_infos(tree) -> list[UnitInfo]:
+    infos = []
+    for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Module)):
+        if isinstance(leaf, nnx.Module):
+            for _, m in nnx.iter_modules(leaf):
+                if isinstance(getattr(m, "_zpp", None), UnitInfo):
+                    infos.append(m._zpp)
+    return infos
 
 
 # -- after training -----------------------------------------------------------------
@@ -397,10 +417,11 @@ def value_and_grad(f: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
     ``nnx.value_and_grad(f, argnums=argnums)``."""
     diff, positions = _with_feedback(argnums)
     inner = nnx.value_and_grad(f, argnums=diff, has_aux=has_aux)
+    unrolled = nnx.value_and_grad(unroll_relayed_loops(f), argnums=diff, has_aux=has_aux)
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
-        value, grads = inner(*args, **kwargs)
+        value, grads = (unrolled if unrolls_layer_loops((args, kwargs)) else inner)(*args, **kwargs)
         clear_relay()
         grads_t = (grads,) if isinstance(argnums, int) else tuple(grads)
         out = []

@@ -40,6 +40,7 @@ from zpp_jax.shard import (
     has_stacked_units,
     on_mesh,
     shard,
+    unrolls_layer_loops,
     value_and_grad,
 )
 
@@ -122,7 +123,9 @@ class Trainer:
             self._state = on_mesh(state, mesh)
         self._state_specs = jax.tree.map(lambda a: a.sharding.spec, self._state)
         # The engine's XLA options for this mesh and model (`zpp.xla_flags`).
-        self.compiler_options = xla_flags(mesh, unrolled=not has_stacked_units(sharded))
+        self.compiler_options = xla_flags(
+            mesh, unrolled=not has_stacked_units(sharded) or unrolls_layer_loops(sharded)
+        )
         options = self.compiler_options or None
         self.train_step = jax.jit(self._train_step, donate_argnums=0, compiler_options=options)
         self.eval_step = jax.jit(self._eval_step, compiler_options=options)

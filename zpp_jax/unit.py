@@ -29,6 +29,7 @@ from zpp_jax import collectives
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.layer import ShardedLayer
+from zpp_jax.loops import zpp_relay_end, zpp_relay_start
 from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.partition import ParamLayout
 from zpp_jax.schedule import prefetches
@@ -285,7 +286,8 @@ class _Relay:
     """The relay token of the last unit called in the current trace, per
     mesh (see `ShardedLayer.relayed`): consecutive units of an unrolled
     model are linked through it. A unit called in another trace (a scan
-    body, a remat region) starts a chain of its own. The last token stays
+    body, a remat region) starts a chain of its own (`zpp_jax.loops` links
+    a layer loop's chains across its iterations). The last token stays
     referenced until the next unit call on its mesh or `clear_relay` (which
     the engine's `value_and_grad`, and so the `Trainer`, call when they
     return)."""
@@ -297,10 +299,10 @@ class _Relay:
         entry = self._last.pop(mesh, None)
         if entry is not None and entry[0] == _trace():
             return entry[1]
-        return jnp.zeros((2 * mesh.devices.size,), jnp.float32)
+        return zpp_relay_start(2 * mesh.devices.size)
 
     def put(self, mesh: Mesh, token: jax.Array) -> None:
-        self._last[mesh] = (_trace(), token)
+        self._last[mesh] = (_trace(), zpp_relay_end(token))
 
     def clear(self) -> None:
         self._last.clear()

@@ -1,0 +1,119 @@
+"""zpp_jax.loops: a layer loop whose body starts a relay chain is unrolled
+and carries the token; the values are the loop's."""
+
+import importlib
+
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import zpp_jax as zpp
+from zpp_jax.loops import relay_loops, zpp_relay_end, zpp_relay_start
+from zpp_jax.models import GPT, GPTConfig
+
+
+def _scans(jaxpr):
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            found.append(eqn)
+        for value in eqn.params.values():
+            if isinstance(value, jcore.ClosedJaxpr):
+                found += _scans(value.jaxpr)
+    return found
+
+
+def _layers(h, ws):
+    """A loop over stacked weights whose body relays a token through two
+    'units' (a token that each step reads and hands on, as units do)."""
+
+    def body(h, w):
+        token = zpp_relay_start(4)
+        h = jnp.tanh(h @ w) + token[0]
+        token = zpp_relay_end(token + h.sum())
+        h = h * 2.0 + token[1]
+        zpp_relay_end(token * 0.5)
+        return h, h.sum()
+
+    return jax.lax.scan(body, h, ws)
+
+
+def test_a_relaying_loop_carries_its_token_and_is_unrolled():
+    h, ws = jnp.ones((2, 3)), jax.random.normal(jax.random.key(0), (5, 3, 3))
+    closed = jax.make_jaxpr(jax.jit(_layers))(h, ws)
+    rewritten = relay_loops(closed.jaxpr)
+    (before,), (after,) = _scans(closed.jaxpr), _scans(rewritten)
+    assert (before.params["num_carry"], before.params["unroll"]) == (1, 1)
+    assert (after.params["num_carry"], after.params["unroll"]) == (2, 5)
+    body = after.params["jaxpr"].jaxpr
+    # The fresh token is made once, before the loop; the body takes it as a
+    # carry and hands on the last unit's.
+    assert not [e for e in body.eqns if e.params.get("name") == "zpp_relay_start"]
+    assert (
+        body.outvars[1]
+        is [e for e in body.eqns if e.params.get("name") == "zpp_relay_end"][-1].invars[0]
+    )
+    jcore.check_jaxpr(rewritten)
+    got = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(rewritten, closed.consts))(h, ws)
+
+    def chained(h, ws):  # the same loop written with the token carried by hand
+        def body(carry, w):
+            h, token = carry
+            h = jnp.tanh(h @ w) + token[0]
+            token = token + h.sum()
+            h = h * 2.0 + token[1]
+            return (h, token * 0.5), h.sum()
+
+        (h, _), ys = jax.lax.scan(body, (h, jnp.zeros(4)), ws)
+        return h, ys
+
+    want = chained(h, ws)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6)
+    assert not np.allclose(want[0], _layers(h, ws)[0])  # the carry is what changed
+
+
+def test_a_loop_without_a_relay_chain_is_left_alone():
+    jaxpr = jax.make_jaxpr(lambda h, ws: jax.lax.scan(lambda h, w: (h @ w, None), h, ws))(
+        jnp.ones((2, 3)), jnp.ones((4, 3, 3))
+    ).jaxpr
+    assert relay_loops(jaxpr) is jaxpr
+
+
+@pytest.fixture
+def relaying(monkeypatch):
+    """CPU meshes relay their units as GPU meshes do (the values are the
+    same; only the order a GPU may run them in changes)."""
+    for name in ("zpp_jax.unit", "zpp_jax.shard"):
+        monkeypatch.setattr(importlib.import_module(name), "prefetches", lambda mesh: True)
+
+
+def _gradients(mesh, unroll):
+    cfg = GPTConfig(64, seq_len=16, d_model=32, n_layers=3, n_heads=2, d_ff=64, dtype="float32")
+    config = zpp.ZeroPPConfig.zero3(comm_dtype=None, unroll_layer_loops=unroll)
+    model = zpp.shard(GPT(cfg, nnx.Rngs(0)), mesh, config)
+    tokens = jax.random.randint(jax.random.key(1), (8, 16), 0, 64)
+
+    @jax.jit
+    def step(state):
+        loss = lambda m: zpp.cross_entropy(m(tokens), tokens)  # noqa: E731
+        return zpp.value_and_grad(loss)(nnx.merge(graphdef, state))
+
+    graphdef, state = nnx.split(model)
+    loss, grads = step(state)
+    return loss, grads, step.lower(state).as_text()
+
+
+def test_the_unrolled_gpt_step_equals_its_loop(mesh24, relaying):
+    """The scanned GPT's step with its layer loop unrolled and relayed has
+    no loop left, and its loss and gradients are the loop's (fp32, exact
+    wire) to round-off; `unroll_layer_loops=False` keeps the loop."""
+    loss, grads, text = _gradients(mesh24, unroll=True)
+    ref_loss, ref_grads, ref_text = _gradients(mesh24, unroll=False)
+    assert "stablehlo.while" in ref_text and "stablehlo.while" not in text
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
