@@ -270,7 +270,8 @@ class Job:
 
 
 def build(cfg: RunConfig, log=print) -> Job:
-    """Data, model, trainer, checkpointer and state; the steps compiled.
+    """Data, model, trainer, checkpointer and state; the steps compiled
+    (unless a resumed run has no step left: `Job.train_step` stays None).
     Paths and outputs are checked before anything is built (see `runs`)."""
     runs.check_paths(cfg)
     runs.claim(cfg, log, delete=jax.process_index() == 0)
@@ -331,6 +332,8 @@ def build(cfg: RunConfig, log=print) -> Job:
             file=sys.stderr,
             flush=True,
         )
+    if position == cfg.steps:  # a resumed run with nothing left to train compiles nothing
+        return job
     first = {split: next(job.batches(split, 0, 1)) for split in ("train", "val")}
     job.train_step = trainer.train_step.lower(state, first["train"]).compile()
     job.eval_step = trainer.eval_step.lower(state, first["val"]).compile()
@@ -522,10 +525,13 @@ def run(cfg: RunConfig) -> list[dict]:
         mesh = f"{cfg.stages} stages x {mesh}; {zero}; token pipeline of {job.slicing}"
     else:
         mesh = f"{mesh}; {cfg.zero}"
-    output.log(
-        f"{cfg.arch} {cfg.model}: {params:,} parameters; mesh {mesh}; per device per step "
-        f"{job.cross_node_bytes:,.0f} B across nodes, {job.intra_node_bytes:,.0f} B inside"
+    moved = (
+        f"; per device per step {job.cross_node_bytes:,.0f} B across nodes, "
+        f"{job.intra_node_bytes:,.0f} B inside"
+        if job.train_step is not None
+        else ""
     )
+    output.log(f"{cfg.arch} {cfg.model}: {params:,} parameters; mesh {mesh}{moved}")
     output.log(f"data: {job.corpus}")
     records = []
     try:
