@@ -39,6 +39,37 @@ def optimizer():
     )
 
 
+def test_shard_replicates_the_models_other_arrays_on_the_mesh(mesh24):
+    """Random-stream keys and counts (dropout) and batch statistics, which
+    Flax makes on one device, are whole on every device after `zpp.shard`:
+    a jitted step takes them as it returns them (one compile)."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(16, 16, rngs=rngs)
+            self.norm = nnx.BatchNorm(16, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.norm(self.lin(x)))
+
+    model = zpp.shard(Net(nnx.Rngs(0)), mesh24)
+    others = jax.tree.leaves(nnx.state(model, nnx.Not(nnx.Param)))
+    assert len(others) >= 4  # batch mean and variance, a key and a count
+    for a in others:
+        assert a.sharding == NamedSharding(mesh24, P()), a.sharding
+    traces = []
+
+    @nnx.jit
+    def step(model, x):
+        traces.append(1)
+        return model(x)
+
+    x = jax.device_put(np.ones((8, 16), np.float32), zpp.batch_sharding(mesh24))
+    first, second = step(model, x), step(model, x)
+    assert len(traces) == 1 and not np.array_equal(first, second)  # new dropout masks
+
+
 def _args(batch):
     return (batch["inputs"],) + ((batch["decoder_inputs"],) if "decoder_inputs" in batch else ())
 

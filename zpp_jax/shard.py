@@ -233,6 +233,8 @@ def shard(
     Memory per device: each parameter's block (1/N) in its own dtype, whole
     copies of parameters no dimension of which N divides, and with error
     feedback (1 + 1/local) x each unit's size in ``config.residual_dtype``.
+    The model's other arrays (random-stream keys and counts, batch
+    statistics) are replicated on every device of the mesh.
 
     Raises:
       UsageError: a mesh without (`node`, `local`) axes, a policy that selects
@@ -267,7 +269,10 @@ def shard(
         value = var.get_value()
         dim = shard_dim(np.shape(value), n, stacked=False)
         var.set_value(place(value, mesh, dim))
-    return model
+    # Everything else (random-stream keys and counts, batch statistics) whole
+    # on every device: a jitted step then takes it with the sharding it
+    # returns it with, and compiles once.
+    return on_mesh(model, mesh)
 
 
 def _make_unit(module, mesh, config, compute_dtype, n):
