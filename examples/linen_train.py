@@ -46,7 +46,7 @@ model, variables = zpp.shard_linen(model, variables, mesh, zpp.ZeroPPConfig())
 
 tx = optax.adamw(3e-3)
 params = variables["params"]
-opt_state = tx.init(params)
+opt_state = zpp.on_mesh(tx.init(params), mesh)  # its step count too
 
 
 @jax.jit

@@ -52,6 +52,7 @@ class LM(nnx.Module):
 mesh = zpp.make_mesh(nodes=2, local=4)
 model = zpp.shard(LM(nnx.Rngs(0)), mesh, zpp.ZeroPPConfig())
 optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+zpp.on_mesh(optimizer, mesh)  # its step counters too, or the step compiles twice
 
 
 @nnx.jit

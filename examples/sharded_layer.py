@@ -42,7 +42,7 @@ grads_fn = jax.shard_map(
     check_vma=False,
 )
 opt = optax.adamw(1e-3)
-opt_state = opt.init(shards)
+opt_state = zpp.on_mesh(opt.init(shards), mesh)  # its step count too
 
 
 @jax.jit
