@@ -3,6 +3,7 @@ the standard NNX loop, exact against one device with ZeRO-3 on an fp32
 wire, training with full ZeRO++, the ZeRO memory guarantee, and bad input."""
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -163,16 +164,16 @@ def _loss_and_grads(family, config, mesh):
     return float(loss), jax.tree.leaves(grads)
 
 
-@pytest.mark.parametrize("name", ["llama_list", "tied_embedding"])
+@pytest.mark.parametrize("name", ["llama_list", "llama_scan", "tied_embedding"])
 def test_gpu_order_changes_the_order_not_the_math(name, mesh24, monkeypatch):
     """On a GPU mesh the units prefetch and relay (`ShardedLayer.relayed`:
     each unit's gathers and reductions are tied to its neighbours' in the
-    order the program runs them). On an unrolled decoder and on a model
-    that calls its embedding twice (as input and as output layer), the loss
-    and every gradient equal the CPU order's to fp32 round-off, with
-    qwZ and hpZ on (qgZ off: it would turn a last-bit difference of fusion
-    into a code step). Every unit call is relayed."""
-    import zpp_jax.unit
+    order the program runs them), and a layer loop is unrolled to relay its
+    layers (`zpp_jax/loops.py`). On an unrolled decoder, a scanned one and
+    a model that calls its embedding twice (as input and as output layer),
+    the loss and every gradient equal the CPU order's to fp32 round-off,
+    with qwZ and hpZ on (qgZ off: it would turn a last-bit difference of
+    fusion into a code step). Every unit call is relayed."""
     from zpp_jax.layer import ShardedLayer
 
     family = FAMILIES[name]
@@ -180,7 +181,8 @@ def test_gpu_order_changes_the_order_not_the_math(name, mesh24, monkeypatch):
     want_loss, want = _loss_and_grads(family, config, mesh24)
     calls = []
     relayed = ShardedLayer.relayed
-    monkeypatch.setattr(zpp_jax.unit, "prefetches", lambda mesh: True)
+    for module in ("zpp_jax.unit", "zpp_jax.shard"):
+        monkeypatch.setattr(importlib.import_module(module), "prefetches", lambda mesh: True)
     monkeypatch.setattr(
         ShardedLayer, "relayed", lambda self, *a: calls.append(1) or relayed(self, *a)
     )
