@@ -58,6 +58,9 @@ def test_frozen():
         (dict(comm_dtype="int8"), "comm_dtype='int8'"),
         (dict(hpz=1), "hpz must be a bool"),
         (dict(remat="dot"), "remat=.dot. is not supported; use one of"),
+        (dict(persistence_threshold=-1), "persistence_threshold must be an int >= 0"),
+        (dict(persistence_threshold=1e5), "persistence_threshold must be an int >= 0"),
+        (dict(unroll_layer_loops=1), "unroll_layer_loops must be a bool"),
     ],
 )
 def test_bad_values_name_the_problem(kwargs, message):

@@ -40,6 +40,48 @@ def optimizer():
     )
 
 
+def test_persistence_threshold_keeps_small_parameters_whole(mesh24):
+    """Parameters under `persistence_threshold` elements (the Llama's norm
+    scales, 64) are whole on every device, the others sharded; the final
+    norm, a unit of its own, then runs no collective (one gather, one
+    re-gather and one reduce-scatter fewer), and the loss and gradients are
+    the fully sharded step's (ZeRO-3, fp32 wire) to fp32 round-off."""
+    from zpp_jax.models import Llama, LlamaConfig
+    from zpp_jax.step_report import collectives_in_hlo
+
+    cfg = LlamaConfig(vocab_size=64, seq_len=16, d_model=64, n_layers=2)
+    tokens = jax.random.randint(jax.random.key(1), (8, 16), 0, 64)
+    out = {}
+    for threshold in (0, 100):
+        config = EXACT.replace(persistence_threshold=threshold)
+        model = zpp.shard(Llama(cfg, nnx.Rngs(0)), mesh24, config)
+        graphdef, state = nnx.split(model)
+        step = _lm_gradient_step(graphdef, tokens)
+        kinds = [c.kind for c in collectives_in_hlo(step.lower(state).compile().as_text())]
+        params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+        whole = {p for p, v in params if v.get_value().sharding.is_fully_replicated}
+        out[threshold] = step(state), kinds, whole
+    (loss, grads), kinds, whole = out[100]
+    (ref_loss, ref_grads), ref_kinds, ref_whole = out[0]
+    assert not ref_whole and whole and all("norm" in "/".join(map(str, p)) for p in whole)
+    for kind, fewer in (("all-gather", 2), ("reduce-scatter", 1)):
+        assert kinds.count(kind) == ref_kinds.count(kind) - fewer, (kinds, ref_kinds)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        assert _rel(g, r) <= 1e-5
+
+
+def _lm_gradient_step(graphdef, tokens):
+    """The jitted loss and gradients of a language model's state."""
+
+    @jax.jit
+    def step(state):
+        loss = lambda m: zpp.cross_entropy(m(tokens), tokens)  # noqa: E731
+        return zpp.value_and_grad(loss)(nnx.merge(graphdef, state))
+
+    return step
+
+
 def test_shard_replicates_the_models_other_arrays_on_the_mesh(mesh24):
     """Random-stream keys and counts (dropout) and batch statistics, which
     Flax makes on one device, are whole on every device after `zpp.shard`:

@@ -87,6 +87,14 @@ class ZeroPPConfig:
         body allows. The same arithmetic; the compiled program grows with
         the number of layers (compile time). Off: layer loops stay loops.
         No effect on a CPU mesh, whose collectives run in program order.
+      persistence_threshold: parameters of fewer elements (per layer of a
+        stack) are not sharded but kept whole on every device, as DeepSpeed's
+        ``stage3_param_persistence_threshold`` keeps them: no gather, and
+        their gradient is summed over the devices in fp32 by XLA's
+        all-reduce. A unit whose parameters are all that small runs no
+        collective of its own. For norms and biases, whose gathers are a few
+        kilobytes each and cost a collective's latency for nothing. Costs
+        their size on every device. 0 (default): every parameter sharded.
     """
 
     quantize_weights: bool = True
@@ -103,6 +111,7 @@ class ZeroPPConfig:
     comm_dtype: str | None = None
     remat: str | Callable[..., bool] = "dots"
     unroll_layer_loops: bool = True
+    persistence_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -151,6 +160,15 @@ class ZeroPPConfig:
             raise UsageError(
                 f"residual_dtype={self.residual_dtype!r} is not supported; use one of "
                 f"{_SUPPORTED_RESIDUAL_DTYPES}"
+            )
+        if (
+            not isinstance(self.persistence_threshold, int)
+            or isinstance(self.persistence_threshold, bool)
+            or self.persistence_threshold < 0
+        ):
+            raise UsageError(
+                "persistence_threshold must be an int >= 0 (elements; 0 shards every "
+                f"parameter), got {self.persistence_threshold!r}"
             )
         if not callable(self.remat) and self.remat not in _SUPPORTED_REMATS:
             raise UsageError(

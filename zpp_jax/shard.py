@@ -267,7 +267,7 @@ def shard(
         if any(path[: len(u)] == u for u in unit_paths):
             continue
         value = var.get_value()
-        dim = shard_dim(np.shape(value), n, stacked=False)
+        dim = shard_dim(np.shape(value), n, stacked=False, keep_below=config.persistence_threshold)
         var.set_value(place(value, mesh, dim))
     # Everything else (random-stream keys and counts, batch statistics) whole
     # on every device: a jitted step then takes it with the sharding it
@@ -281,7 +281,7 @@ def _make_unit(module, mesh, config, compute_dtype, n):
     dims = []
     for path, var in params:
         value = var.get_value()
-        dim = shard_dim(np.shape(value), n, stacked)
+        dim = shard_dim(np.shape(value), n, stacked, config.persistence_threshold)
         var.set_value(place(value, mesh, dim))
         dims.append((path, dim, np.ndim(value)))
     if config.error_feedback:

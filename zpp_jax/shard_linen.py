@@ -271,13 +271,13 @@ def shard_linen(
     dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
     infos, sharded = {}, {}
     for path, value in params.items():
-        dim = shard_dim(np.shape(value), n, stacked=False)
+        dim = shard_dim(np.shape(value), n, False, config.persistence_threshold)
         sharded[path] = place(value, mesh, dim)
     for unit in units:
         dims = tuple(
             (p[len(unit) :], d, np.ndim(params[p]))
             for p, d in (
-                (p, shard_dim(np.shape(params[p]), n, stacked=False))
+                (p, shard_dim(np.shape(params[p]), n, False, config.persistence_threshold))
                 for p in params
                 if p[: len(unit)] == unit
             )

@@ -13,6 +13,7 @@ over the global batch, so the reduction sums the devices' gradients.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,11 +65,15 @@ def _name(path: tuple) -> str:
     return "/".join(str(k) for k in path) or "<the model>"
 
 
-def shard_dim(shape: tuple[int, ...], n: int, stacked: bool) -> int | None:
+def shard_dim(shape: tuple[int, ...], n: int, stacked: bool, keep_below: int = 0) -> int | None:
     """The dimension a parameter is split along: the first one (after a
     stack's layer axis) that N divides, so that a block is a contiguous run;
-    None (kept whole on every device) when none does."""
-    for d in range(1 if stacked and len(shape) > 1 else 0, len(shape)):
+    None (kept whole on every device) when none does, or when it holds
+    fewer than `keep_below` elements (per layer of a stack)."""
+    first = 1 if stacked and len(shape) > 1 else 0
+    if math.prod(shape[first:]) < keep_below:
+        return None
+    for d in range(first, len(shape)):
         if shape[d] % n == 0:
             return d
     return None
