@@ -110,6 +110,7 @@ def test_module_entry_point():
         (["train", "--metrics", "/", "--quiet"], "--metrics / is a directory"),
         (["train", "--ckpt-dir", "/etc/hostname", "--quiet"], "is a file, not a directory"),
         (["plan", "--layers", "0", "--hidden", "8", "--seq", "8", "--stages", "1"], "--layers"),
+        (["comm", "--persistence-threshold", "-1"], "persistence_threshold must be an int >= 0"),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(capsys, argv, message):

@@ -252,7 +252,10 @@ def _comm(args) -> int:
     unknown = set(args.configs) - set(DEFAULT_CONFIGS)
     if unknown:
         raise UsageError(f"unknown configs {sorted(unknown)}; choose from {list(DEFAULT_CONFIGS)}")
-    configs = {name: DEFAULT_CONFIGS[name] for name in args.configs}
+    configs = {
+        name: DEFAULT_CONFIGS[name].replace(persistence_threshold=args.persistence_threshold)
+        for name in args.configs
+    }
     if args.target == "cpu":
         mesh, make = make_mesh(args.nodes, args.local), build
     else:
@@ -478,6 +481,13 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--local", type=int, default=4)
     comm.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     comm.add_argument("--configs", nargs="+", default=["zero3", "qwz", "hpz", "qgz", "zeropp"])
+    comm.add_argument(
+        "--persistence-threshold",
+        type=int,
+        default=0,
+        help="keep parameters of fewer elements whole on every device, in every "
+        "configuration (ZeroPPConfig.persistence_threshold; default 0: shard all)",
+    )
     comm.add_argument("--json", action="store_true", help="print JSON instead of a table")
     comm.set_defaults(func=_comm)
 
