@@ -1,14 +1,13 @@
 """zpp_jax.loops: a layer loop whose body starts a relay chain is unrolled
 and carries the token; the values are the loop's."""
 
-import importlib
-
 import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_shard import lm_gradient_step, relay_as_on_a_gpu
 
 import zpp_jax as zpp
 from zpp_jax.loops import relay_loops, zpp_relay_end, zpp_relay_start
@@ -85,10 +84,7 @@ def test_a_loop_without_a_relay_chain_is_left_alone():
 
 @pytest.fixture
 def relaying(monkeypatch):
-    """CPU meshes relay their units as GPU meshes do (the values are the
-    same; only the order a GPU may run them in changes)."""
-    for name in ("zpp_jax.unit", "zpp_jax.shard"):
-        monkeypatch.setattr(importlib.import_module(name), "prefetches", lambda mesh: True)
+    relay_as_on_a_gpu(monkeypatch)
 
 
 def _gradients(mesh, unroll):
@@ -96,13 +92,8 @@ def _gradients(mesh, unroll):
     config = zpp.ZeroPPConfig.zero3(comm_dtype=None, unroll_layer_loops=unroll)
     model = zpp.shard(GPT(cfg, nnx.Rngs(0)), mesh, config)
     tokens = jax.random.randint(jax.random.key(1), (8, 16), 0, 64)
-
-    @jax.jit
-    def step(state):
-        loss = lambda m: zpp.cross_entropy(m(tokens), tokens)  # noqa: E731
-        return zpp.value_and_grad(loss)(nnx.merge(graphdef, state))
-
     graphdef, state = nnx.split(model)
+    step = lm_gradient_step(graphdef, tokens)
     loss, grads = step(state)
     return loss, grads, step.lower(state).as_text()
 

@@ -56,7 +56,7 @@ def test_persistence_threshold_keeps_small_parameters_whole(mesh24):
         config = EXACT.replace(persistence_threshold=threshold)
         model = zpp.shard(Llama(cfg, nnx.Rngs(0)), mesh24, config)
         graphdef, state = nnx.split(model)
-        step = _lm_gradient_step(graphdef, tokens)
+        step = lm_gradient_step(graphdef, tokens)
         kinds = [c.kind for c in collectives_in_hlo(step.lower(state).compile().as_text())]
         params = nnx.to_flat_state(nnx.state(model, nnx.Param))
         whole = {p for p, v in params if v.get_value().sharding.is_fully_replicated}
@@ -71,7 +71,7 @@ def test_persistence_threshold_keeps_small_parameters_whole(mesh24):
         assert _rel(g, r) <= 1e-5
 
 
-def _lm_gradient_step(graphdef, tokens):
+def lm_gradient_step(graphdef, tokens):
     """The jitted loss and gradients of a language model's state."""
 
     @jax.jit
@@ -80,6 +80,14 @@ def _lm_gradient_step(graphdef, tokens):
         return zpp.value_and_grad(loss)(nnx.merge(graphdef, state))
 
     return step
+
+
+def relay_as_on_a_gpu(monkeypatch):
+    """From here on, CPU meshes relay their units as GPU meshes do, and
+    layer loops are unrolled to relay theirs (the values are the same; only
+    the order a GPU may run them in changes)."""
+    for module in ("zpp_jax.unit", "zpp_jax.shard"):
+        monkeypatch.setattr(importlib.import_module(module), "prefetches", lambda mesh: True)
 
 
 def test_shard_replicates_the_models_other_arrays_on_the_mesh(mesh24):
@@ -223,8 +231,7 @@ def test_gpu_order_changes_the_order_not_the_math(name, mesh24, monkeypatch):
     want_loss, want = _loss_and_grads(family, config, mesh24)
     calls = []
     relayed = ShardedLayer.relayed
-    for module in ("zpp_jax.unit", "zpp_jax.shard"):
-        monkeypatch.setattr(importlib.import_module(module), "prefetches", lambda mesh: True)
+    relay_as_on_a_gpu(monkeypatch)
     monkeypatch.setattr(
         ShardedLayer, "relayed", lambda self, *a: calls.append(1) or relayed(self, *a)
     )
