@@ -51,8 +51,9 @@ def zpp_relay_end(token: jax.Array) -> jax.Array:
 
 
 _START, _END = zpp_relay_start.__name__, zpp_relay_end.__name__
-# Primitives that call a jaxpr as it is, whose loops are searched too.
-_CALLS = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat")
+# Primitives whose jaxprs are searched for loops too: calls of a jaxpr as
+# it is, and the bodies of loops that are not rewritten.
+_SEARCHED = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "scan")
 
 
 def unroll_relayed_loops(f: Callable) -> Callable:
@@ -99,7 +100,7 @@ def relay_loops(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
                 eqns.extend(new)
                 changed = True
                 continue
-        if eqn.primitive.name in _CALLS or eqn.primitive.name == "scan":
+        if eqn.primitive.name in _SEARCHED:
             params = {k: _inner(v) for k, v in eqn.params.items()}
             if any(params[k] is not v for k, v in eqn.params.items()):
                 eqn = eqn.replace(params=params)

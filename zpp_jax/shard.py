@@ -281,7 +281,7 @@ def _make_unit(module, mesh, config, compute_dtype, n):
     dims = []
     for path, var in params:
         value = var.get_value()
-        dim = shard_dim(np.shape(value), n, stacked, config.persistence_threshold)
+        dim = shard_dim(np.shape(value), n, stacked, keep_below=config.persistence_threshold)
         var.set_value(place(value, mesh, dim))
         dims.append((path, dim, np.ndim(value)))
     if config.error_feedback:

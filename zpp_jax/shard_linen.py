@@ -269,18 +269,15 @@ def shard_linen(
         "give shard_linen a policy that names submodule paths, or policy=None for the default",
     )
     dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
-    infos, sharded = {}, {}
+    infos, sharded, split_dims = {}, {}, {}
     for path, value in params.items():
-        dim = shard_dim(np.shape(value), n, False, config.persistence_threshold)
-        sharded[path] = place(value, mesh, dim)
+        dim = shard_dim(np.shape(value), n, False, keep_below=config.persistence_threshold)
+        sharded[path], split_dims[path] = place(value, mesh, dim), dim
     for unit in units:
         dims = tuple(
-            (p[len(unit) :], d, np.ndim(params[p]))
-            for p, d in (
-                (p, shard_dim(np.shape(params[p]), n, False, config.persistence_threshold))
-                for p in params
-                if p[: len(unit)] == unit
-            )
+            (p[len(unit) :], split_dims[p], np.ndim(params[p]))
+            for p in params
+            if p[: len(unit)] == unit
         )
         infos[unit] = UnitInfo(mesh, config, dtype, dims)
     replicated = NamedSharding(mesh, P())
