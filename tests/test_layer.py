@@ -1,6 +1,7 @@
 import functools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -509,3 +510,88 @@ def test_prefetch_changes_the_order_not_the_math(mesh24):
     assert _max_rel(g1, g0) <= 1e-5
     with pytest.raises(UsageError, match="prefetch must be True or False"):
         ShardedLayer(block, layout, config, prefetch="yes")
+
+
+def _relay_chain(mesh, config, relay):
+    """Three relayed layers of different widths (one matrix each) in one
+    shard_map; returns (the jitted gradients of the three shards and of the
+    input, the arguments)."""
+    from zpp_jax.layer import TOKEN_SIZE
+
+    dims, n = (16, 24, 32, 16), mesh.devices.size
+    layers, shards = [], []
+    for k in range(3):
+        w = {"w": jax.random.normal(jax.random.key(k), dims[k : k + 2]) / 4}
+        layout = FlatLayout.from_tree(w, n, align=config.alignment)
+        fn = lambda p, h: jnp.tanh(h @ p["w"])  # noqa: E731
+        layers.append(ShardedLayer(fn, layout, config, reduction="sum", prefetch=True))
+        shards.append(layout.flatten(w))
+
+    def local(*args):
+        def loss(*args):
+            h, token = args[-1], jnp.zeros((TOKEN_SIZE,), jnp.float32)
+            for layer, shard in zip(layers, args[:-1], strict=True):
+                if relay:
+                    h, token = layer.relayed(shard, h, None, token)
+                else:
+                    h = layer(shard, h)
+            return jnp.sum(h**2)
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+
+    specs = (P(AXES),) * 4
+    f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=False)
+    x = jax.random.normal(jax.random.key(9), (8, 4, dims[0]))
+    return f, (*shards, x)
+
+
+def _feeds(jaxpr, out) -> set:
+    """ids of the equations `out` depends on. A static slice of a 1-D
+    concatenation (a relay token) depends only on the pieces it covers."""
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    found, stack, seen = set(), [out], set()
+    while stack:
+        v = stack.pop()
+        e = producer.get(v) if isinstance(v, jax.extend.core.Var) else None
+        if e is None or id(v) in seen:
+            continue
+        seen.add(id(v))
+        found.add(id(e))
+        src = producer.get(e.invars[0]) if e.primitive.name == "slice" else None
+        if src is not None and src.primitive.name == "concatenate" and e.outvars[0].aval.ndim == 1:
+            (lo,), (hi,), at = e.params["start_indices"], e.params["limit_indices"], 0
+            for piece in src.invars:
+                if at < hi and lo < at + piece.aval.shape[0]:
+                    stack.append(piece)
+                at += piece.aval.shape[0]
+            found.add(id(src))
+            continue
+        stack.extend(e.invars)
+    return found
+
+
+@pytest.mark.parametrize("quantized", [True, False], ids=["qgz", "zero3"])
+def test_relayed_reductions_finish_a_layer_or_two_later(quantized, mesh24):
+    """Relayed (`ShardedLayer.relayed`), a layer's input cotangent waits for
+    the next layer's whole reduction when it has one step (ZeRO-3's
+    all-to-all), and for qgZ's two steps a layer apart: the next layer's
+    all-to-all inside the node, the permute across nodes of the layer after
+    that. Checked on the gradient's program (which collective the input's
+    gradient depends on; backward order: layer 2, 1, 0), and the gradients
+    equal the unrelayed layers' to fp32 round-off."""
+    config = ZeroPPConfig() if quantized else ZeroPPConfig.zero3(comm_dtype="bfloat16")
+    f, args = _relay_chain(mesh24, config, relay=True)
+    (body,) = [
+        e.params["jaxpr"] for e in jax.make_jaxpr(f)(*args).eqns if e.primitive.name == "shard_map"
+    ]
+    waits = _feeds(body, body.outvars[3])
+
+    def fed(name):
+        return [id(e) in waits for e in body.eqns if e.primitive.name == name]
+
+    assert fed("all_to_all") == [True, True, False]
+    assert fed("ppermute") == ([True, False, False] if quantized else [])
+    got = jax.jit(f)(*args)
+    want = jax.jit(_relay_chain(mesh24, config, relay=False)[0])(*args)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7 * float(jnp.max(jnp.abs(b))))

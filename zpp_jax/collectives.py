@@ -13,6 +13,8 @@ vector of N*s elements and a shard of s elements.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -224,6 +226,7 @@ def hierarchical_reduce_scatter(
     mean: bool = True,
     rounding: str = "nearest",
     scale_dtype: str = "float32",
+    before_node_step: Callable[[quant.QuantizedBlocks], None] | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """qgZ: quantized hierarchical reduction of `full` (N*s,) to this device's
     shard (s,) of the mean (or, with ``mean=False``, the sum) over all N
@@ -251,6 +254,11 @@ def hierarchical_reduce_scatter(
     each quantization is added back before the same quantization next call
     (error feedback); returns the updated residual in the residual's dtype,
     else None.
+
+    `before_node_step`, if given, is called (while tracing) with the
+    blocks about to cross nodes, once the step inside the node has made
+    them: a caller can order other work after that step
+    (`ShardedLayer.relayed` does). Not called on one node.
 
     `full` may also be given already quantized, as the blocks of
     ``quantize(full, bits, block_size)`` (codes (N*nb, ...), scales (N*nb,);
@@ -327,6 +335,8 @@ def hierarchical_reduce_scatter(
         if r_node is not None:
             r_node = rows - kernels.dequantize(q, bits, s)
     if nodes > 1:
+        if before_node_step is not None:
+            before_node_step(q)
         arrived = _exchange(q, NODE, scale_dtype)
         shard = _dequantize_sum(arrived, bits, s)
     else:  # a 1 x 1 mesh: nothing to reduce

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -123,9 +124,10 @@ class ShardedLayer:
     ) -> tuple[Any, jax.Array]:
         """`__call__` that also takes and returns a relay token, which
         orders consecutive layers' communication against each other's
-        compute. The token is a (2,) float32 array per device whose values
-        mean nothing: pass the one the previous layer returned (zeros for
-        the first layer) and hand the returned one to the next layer.
+        compute. The token is a (`TOKEN_SIZE`,) float32 array per device
+        whose values mean nothing: pass the one the previous layer returned
+        (zeros for the first layer) and hand the returned one to the next
+        layer.
 
         Guarantees: the same outputs, gradients and residuals as `__call__`,
         and this order, which a latency-hiding scheduler fills with overlap
@@ -140,7 +142,11 @@ class ShardedLayer:
             full weights are alive; and the input cotangent leaves only once
             the next layer's gradient reduction has finished, so each
             reduction runs behind the backward pass of the layer before and
-            none is left for the end of the step.
+            none is left for the end of the step. qgZ's reduction, in two
+            steps, is split over two layers: the input cotangent waits for
+            the next layer's step inside the node and for the step across
+            nodes of the layer after that, so each step runs behind one
+            layer's backward pass.
         Costs no bytes and no memory beyond one add over each tied array.
         """
         return self._apply(shard, residual, x, token)
@@ -195,7 +201,7 @@ class ShardedLayer:
         if after is not None:
             # Relayed: the cross-node gather runs two layers ahead, the
             # local one (or the flat one, without hpZ) one layer ahead.
-            wire = _after(wire, after[1:] if self.config.hpz else after[:1])
+            wire = _after(wire, after[1:2] if self.config.hpz else after[:1])
         if not self.config.hpz:
             return self._decode(collectives.gather_all(wire)), None
         secondary = collectives.gather_over(wire, NODE)
@@ -319,7 +325,9 @@ class ShardedLayer:
 
     def _reduce(self, grads, residual):
         """The layer's weight gradient (a pytree) -> this device's shard of
-        the mean (or sum) over all devices, and the new residual (or None)."""
+        the mean (or sum) over all devices, the new residual (or None), and
+        (1,) float32 zeros that exist once qgZ's step inside the node has
+        finished (None for a reduction in one step)."""
         cfg, layout, mean = self.config, self.layout, self.reduction == "mean"
         if cfg.quantize_gradients:
             if residual is None and layout.align % cfg.grad_block == 0:
@@ -342,7 +350,8 @@ class ShardedLayer:
                 )
             else:
                 flat = layout.flatten_rows(grads).reshape(-1)
-            return collectives.hierarchical_reduce_scatter(
+            node_step = []
+            shard, new_residual = collectives.hierarchical_reduce_scatter(
                 flat,
                 cfg.gradient_bits,
                 cfg.grad_block,
@@ -350,9 +359,11 @@ class ShardedLayer:
                 mean=mean,
                 rounding=cfg.gradient_rounding,
                 scale_dtype=cfg.gradient_scale_dtype,
+                before_node_step=lambda q: node_step.append(_after(_ZERO, q.scales)),
             )
+            return shard, new_residual, (node_step[0] if node_step else None)
         flat = layout.flatten_rows(grads).reshape(-1)
-        return collectives.reduce_scatter(flat, cfg.comm_dtype, mean=mean), None
+        return collectives.reduce_scatter(flat, cfg.comm_dtype, mean=mean), None, None
 
 
 def _quantize_flat_blocks(
@@ -529,30 +540,48 @@ def _build(layer: ShardedLayer):
         else:
             vjp = residuals.pullback(kept, params)
         g_params, g_x = vjp(g)
+        shard_grad, new_residual, node_step = layer._reduce(g_params, residual)
         if g_token is None:
-            shard_grad, new_residual = layer._reduce(g_params, residual)
             return shard_grad, new_residual, g_x, None
-        # Relayed: the later layer's reduction has finished before this
-        # layer's input cotangent leaves, so that reduction ran behind this
-        # layer's backward compute and none piles up at the end of the step.
-        # (Also tying the cotangent to this layer's own weight gradient, so
-        # that its reduction could start earlier, cost memory with error
-        # feedback and overlap without it.)
-        g_x = _after(g_x, g_token[1:])
-        shard_grad, new_residual = layer._reduce(g_params, residual)
-        started = _after(jnp.zeros((1,), jnp.float32), g)
-        return shard_grad, new_residual, g_x, jnp.concatenate([started, shard_grad[:1]])
+        # Relayed: this layer's input cotangent leaves only once what the
+        # later layer asked for has finished (`g_token[1]`), so that work
+        # ran behind this layer's backward compute and none piles up at the
+        # end of the step. A reduction in one step asks for all of it. qgZ
+        # asks for its step inside the node here and hands its step across
+        # nodes on (`[2]`) to the layer after: each step then has a layer's
+        # backward compute to run behind, where both steps in one layer's
+        # window left the scheduler room for only one. (Also tying the
+        # cotangent to this layer's own weight gradient, so that its
+        # reduction could start earlier, cost memory with error feedback
+        # and overlap without it.)
+        g_x = _after(g_x, g_token[1:2])
+        done = _after(shard_grad[:1], g_token[2:3])
+        if node_step is None:
+            wait, hand_on = done, _ZERO
+        else:
+            wait, hand_on = _after(node_step, g_token[2:3]), done
+        started = _after(_ZERO, g)
+        return shard_grad, new_residual, g_x, jnp.concatenate([started, wait, hand_on])
 
     apply.defvjp(fwd, bwd)
     return apply
 
 
+# A relay token (per device, float32): [0] and [1] in the forward pass,
+# zeros that exist once this layer's and the layer before's input do; in
+# the backward pass (its cotangent) [0] exists once the layer's backward
+# pass has started, [1] once the work the layer before must wait for has
+# finished, [2] once the work to hand on to that layer's own reduction has.
+TOKEN_SIZE = 3
+_ZERO = np.zeros((1,), np.float32)
+
+
 def _signal(token, x):
-    """The relay token a layer hands on in the forward pass: zeros that
-    exist once the layer's input does (None when not relayed)."""
+    """The relay token a layer hands on in the forward pass (None when not
+    relayed)."""
     if token is None:
         return None
-    return jnp.concatenate([_after(jnp.zeros((1,), jnp.float32), x), token[:1]])
+    return jnp.concatenate([_after(_ZERO, x), token[:1], _ZERO])
 
 
 def _build_held(layer: ShardedLayer):
@@ -564,7 +593,7 @@ def _build_held(layer: ShardedLayer):
         return layer._gather_forward(shard)[0], residual
 
     def bwd(residual, g):
-        return layer._reduce(g, residual)
+        return layer._reduce(g, residual)[:2]
 
     held.defvjp(fwd, bwd)
     return held

@@ -15,9 +15,9 @@ compiler overlap one layer's collectives with its neighbours' compute.
 `unroll_relayed_loops` gives a layer loop the same chain without touching
 the model's code: it traces the function, and for every loop whose body
 starts a relay chain it carries the token through the loop (one more carry,
-2 x devices float32 values) and unrolls the loop fully. The arithmetic is
-the loop's own, operation for operation; the program grows with the number
-of iterations, and so does its compile time.
+`zpp_jax.layer.TOKEN_SIZE` float32 values per device) and unrolls the loop
+fully. The arithmetic is the loop's own, operation for operation; the
+program grows with the number of iterations, and so does its compile time.
 
 Recognized: loops whose body calls the units itself, at its top level (not
 inside a `jax.checkpoint` or another loop of the body), anywhere in the

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from zpp_jax import collectives
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
-from zpp_jax.layer import ShardedLayer
+from zpp_jax.layer import TOKEN_SIZE, ShardedLayer
 from zpp_jax.loops import zpp_relay_end, zpp_relay_start
 from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.partition import ParamLayout
@@ -304,7 +304,7 @@ class _Relay:
         entry = self._last.pop(mesh, None)
         if entry is not None and entry[0] == _trace():
             return entry[1]
-        return zpp_relay_start(2 * mesh.devices.size)
+        return zpp_relay_start(TOKEN_SIZE * mesh.devices.size)
 
     def put(self, mesh: Mesh, token: jax.Array) -> None:
         self._last[mesh] = (_trace(), zpp_relay_end(token))
