@@ -242,6 +242,48 @@ def test_gpu_order_changes_the_order_not_the_math(name, mesh24, monkeypatch):
         assert _rel(a, b) <= 1e-6
 
 
+def test_a_unit_of_vectors_is_left_out_of_the_relay(mesh24, monkeypatch):
+    """On a GPU mesh a unit whose parameters are all vectors (a norm
+    between two layers) has no matrix multiply of its weights, so its
+    backward pass is no window for its neighbours' communication: it is
+    called unrelayed, and the layers on either side relay to each other.
+    The loss and gradients equal the CPU order's."""
+    from zpp_jax.layer import ShardedLayer
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(16, 32, rngs=rngs)
+            self.norm = nnx.LayerNorm(32, rngs=rngs)
+            self.b = nnx.Linear(32, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(self.norm(jnp.tanh(self.a(x))))
+
+    config = zpp.ZeroPPConfig.zero3(comm_dtype=None)
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (8, 16)), zpp.batch_sharding(mesh24))
+
+    def loss_and_grads():
+        model = zpp.shard(Net(nnx.Rngs(0)), mesh24, config)
+        loss, grads = nnx.jit(zpp.value_and_grad(lambda m: jnp.sum(m(x) ** 2)))(model)
+        return float(loss), jax.tree.leaves(grads)
+
+    want_loss, want = loss_and_grads()
+    calls = []
+    for name in ("__call__", "relayed"):
+        method = getattr(ShardedLayer, name)
+        monkeypatch.setattr(
+            ShardedLayer,
+            name,
+            lambda self, *a, name=name, method=method: calls.append(name) or method(self, *a),
+        )
+    relay_as_on_a_gpu(monkeypatch)
+    loss, got = loss_and_grads()
+    assert calls == ["relayed", "__call__", "relayed"]
+    assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
+    for a, b in zip(got, want, strict=True):
+        assert _rel(a, b) <= 1e-6
+
+
 def test_error_feedback_residuals_carry_over(mesh24):
     """With error feedback each unit holds a residual; `zpp.value_and_grad`
     writes the new one into the model every step, and the optimizer never

@@ -234,7 +234,12 @@ def run_unit(
         return jax.tree.map(lambda a: a[None], out), new_state, new_args
 
     prefetch = prefetches(info.mesh)
-    token = _relay.take(info.mesh) if prefetch and layout is not None else None
+    # A unit of vectors only (a final norm) has no matrix multiply of its
+    # own weights: its backward pass would be an empty window for the
+    # neighbours' communication, so it is left out of the relay chain and
+    # its own few bytes are scheduled freely.
+    relayed = layout is not None and any(np.ndim(v) >= 2 for _, v, _, _ in params)
+    token = _relay.take(info.mesh) if prefetch and relayed else None
 
     def local(blocks, rep, state_values, arg_values, residual, token):
         inputs = (rep, state_values, arg_values)
