@@ -567,11 +567,12 @@ def _build(layer: ShardedLayer):
     return apply
 
 
-# A relay token (per device, float32): [0] and [1] in the forward pass,
-# zeros that exist once this layer's and the layer before's input do; in
-# the backward pass (its cotangent) [0] exists once the layer's backward
-# pass has started, [1] once the work the layer before must wait for has
-# finished, [2] once the work to hand on to that layer's own reduction has.
+# A relay token: zeros per device, float32, that exist once some work has
+# finished. Forward, from each layer to the next: [0] this layer's input,
+# [1] the previous layer's input. Backward (its cotangent), from each layer
+# to the one before: [0] the backward pass has started; [1] what the
+# receiving layer's input cotangent must wait for; [2] what the receiving
+# layer passes on in its own [1] (qgZ's step across nodes, a layer later).
 TOKEN_SIZE = 3
 _ZERO = np.zeros((1,), np.float32)
 
