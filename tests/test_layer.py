@@ -518,12 +518,14 @@ def _relay_chain(mesh, config, relay):
     input, the arguments)."""
     from zpp_jax.layer import TOKEN_SIZE
 
+    def fn(p, h):
+        return jnp.tanh(h @ p["w"])
+
     dims, n = (16, 24, 32, 16), mesh.devices.size
     layers, shards = [], []
     for k in range(3):
         w = {"w": jax.random.normal(jax.random.key(k), dims[k : k + 2]) / 4}
         layout = FlatLayout.from_tree(w, n, align=config.alignment)
-        fn = lambda p, h: jnp.tanh(h @ p["w"])  # noqa: E731
         layers.append(ShardedLayer(fn, layout, config, reduction="sum", prefetch=True))
         shards.append(layout.flatten(w))
 

@@ -44,8 +44,9 @@ def prefetches(mesh: Mesh) -> bool:
 # reductions instead of behind matrix multiplies:
 # * up to three collectives of different kinds in flight at once (XLA's
 #   default is one): in the backward pass one unit's re-gather, the next
-#   unit's intra-node all-to-all and its permute across nodes each run
-#   behind the same compute instead of queueing for it;
+#   unit's intra-node all-to-all and the permute across nodes of the unit
+#   after that (`ShardedLayer.relayed`) each run behind the same compute
+#   instead of queueing for it;
 # * no combining of collectives: XLA merges same-kind collectives of
 #   consecutive units below a size threshold (gathers of two layers, their
 #   permutes) into one, which then waits for the later unit's input (a

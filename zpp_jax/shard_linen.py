@@ -271,7 +271,7 @@ def shard_linen(
     dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
     infos, sharded, split_dims = {}, {}, {}
     for path, value in params.items():
-        dim = shard_dim(np.shape(value), n, False, keep_below=config.persistence_threshold)
+        dim = shard_dim(np.shape(value), n, stacked=False, keep_below=config.persistence_threshold)
         sharded[path], split_dims[path] = place(value, mesh, dim), dim
     for unit in units:
         dims = tuple(
