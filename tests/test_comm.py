@@ -57,6 +57,7 @@ def test_zero3_matches_the_analytic_count(mesh):
     # (N-1)/N of the bf16 vector of N*s elements
     assert _in_loop(r, layers, True) == layers * 3 * (n - 1) / n * n * s * 2
     assert r["intra_node_bytes"] == 0
+    assert r["estimate"] is None  # XLA:CPU has no latency-hiding scheduler
     # embedding and head add at most the same three each, plus a few scalars
     rest = sum(3 * (n - 1) * _shard_size(m, cfg, n) * 2 for m in (model.embed, model.head))
     assert r["cross_node_bytes"] <= _in_loop(r, layers, True) + rest + SCALARS
@@ -179,6 +180,42 @@ def test_schedule_overlap_reads_what_runs_behind_each_collective():
     # an async start's shape is (operands, results): the bytes are the results'
     sizes = {c.name: c.result_bytes for c in collectives_in_hlo(_SCHEDULED)}
     assert sizes == {"ag": 64 * 64 * 2, "a2a": 8 * 32, "ar": 4}
+
+
+# The end of a schedule dump (``xla_dump_latency_hiding_schedule``) as
+# XLA writes it: statistics in scheduler cycles, zeros left out.
+_SCHEDULE_DUMP = """\
+  instructions {
+    id: 25769803779
+    start_timestamp_cycles: 19.992
+    end_timestamp_cycles: 19.992
+  }
+  scheduler_statistics {
+    all_to_all_wasted_cycles: 30
+    collective_permute_wasted_cycles: 10.5
+    total_wasted_cycles: 40.5
+    total_cycles: 400
+    memory_pressure_peak: 4194304
+  }
+  cycles_per_microsecond: 2
+}
+"""
+
+
+def test_schedule_estimate_reads_the_schedulers_statistics():
+    from zpp_jax.step_report import schedule_estimate
+
+    est = schedule_estimate(_SCHEDULE_DUMP)
+    assert est.step_us == 200.0  # 400 cycles at 2 per microsecond
+    assert est.exposed_us == {
+        "all-gather": 0.0,
+        "all-to-all": 15.0,
+        "reduce-scatter": 0.0,
+        "all-reduce": 0.0,
+        "collective-permute": 5.25,
+    }
+    assert est.exposed_total_us == 20.25
+    assert schedule_estimate(_SCHEDULED) is None  # an HLO text, no statistics
 
 
 @pytest.mark.parametrize(

@@ -205,6 +205,55 @@ def test_collectives_run_behind_matrix_multiplies(model, config, role):
     assert _share(_report(model, config), ROLES[role]) >= 0.9
 
 
+def _exposed(report, kinds):
+    return sum(report["estimate"]["exposed_us"][k] for k in kinds)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_xla_estimates_the_step_and_the_communication_it_leaves_exposed(model, config):
+    """The scheduler's own estimate (`ScheduleEstimate`): a step time, and
+    per collective kind the time no compute covers, less than the step."""
+    est = _report(model, config)["estimate"]
+    assert est["step_us"] > 0
+    assert set(est["exposed_us"]) >= {"all-gather", "all-to-all", "collective-permute"}
+    assert 0 <= sum(est["exposed_us"].values()) < est["step_us"]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_error_feedback_leaves_no_more_reduction_exposed(model):
+    """With error feedback fewer qgZ steps have a matrix multiply between
+    start and done (`_BELOW_BOUND`), yet in XLA's estimate its reductions
+    leave the step waiting as long as without it, within 5%: the residual
+    and quantization kernels cover them instead."""
+    plain = _exposed(_report(model, "zeropp"), ROLES["reductions"])
+    ef = _exposed(_report(model, "zeropp_ef"), ROLES["reductions"])
+    assert ef <= 1.05 * plain
+
+
+@pytest.mark.parametrize(
+    "model,config",
+    [
+        pytest.param(
+            m,
+            c,
+            marks=pytest.mark.xfail(strict=True, reason="more gather time left exposed")
+            if (m, c) == ("gpt-125m", "zeropp_ef")
+            else (),
+        )
+        for m in MODELS
+        for c in ("zeropp", "zeropp_ef")
+    ],
+)
+def test_zeropp_leaves_less_communication_exposed_than_zero3(model, config):
+    """In XLA's estimate the ZeRO++ step waits on communication for less
+    time than the ZeRO-3 (bf16 wire) step of the same model; not yet the
+    GPT's with error feedback, whose weight gathers are left more exposed."""
+    zero3 = _report(model, "zero3")["estimate"]["exposed_us"]
+    zpp = _report(model, config)["estimate"]["exposed_us"]
+    assert sum(zpp.values()) < sum(zero3.values())
+
+
 def _unhideable_share(report, kinds):
     runs = [(c["runs"], c["hideable"]) for c in report["collectives"] if c["kind"] in kinds]
     return sum(n for n, ok in runs if not ok) / sum(n for n, _ in runs)

@@ -34,9 +34,15 @@ def platform(mesh: Mesh) -> str:
     return mesh.devices.flat[0].platform
 
 
+def schedules_overlap(mesh: Mesh) -> bool:
+    """Whether XLA schedules programs for `mesh` with its latency-hiding
+    scheduler, collectives asynchronous (a GPU mesh)."""
+    return platform(mesh) in _GPU_PLATFORMS
+
+
 def prefetches(mesh: Mesh) -> bool:
     """Whether units on `mesh` let their gathers run ahead (a GPU mesh)."""
-    return platform(mesh) in _GPU_PLATFORMS
+    return schedules_overlap(mesh)
 
 
 # For programs whose units are all called one after another (relayed), not

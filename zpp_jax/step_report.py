@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -259,11 +261,25 @@ def step_report(trainer, batch: dict) -> dict:
     the matrix multiplies it is scheduled behind (`schedule_overlap`; none
     on CPU, whose collectives are synchronous) and whether any could be
     (`Scheduled.hideable`; those that cannot, per kind, under
-    "unhideable"). The trainer may be abstract
+    "unhideable"). On a GPU mesh, "estimate" is the scheduler's own
+    estimate of the step and of the communication it left exposed
+    (`ScheduleEstimate`; None elsewhere). The trainer may be abstract
     (built on an ``nnx.eval_shape`` model, for a compile-only mesh)."""
     from zpp_jax.mesh import mesh_shape
+    from zpp_jax.schedule import schedules_overlap
 
-    compiled = trainer.compile_step(batch)
+    estimate = None
+    if schedules_overlap(trainer.mesh):
+        with tempfile.TemporaryDirectory() as dump:
+            options = {
+                **trainer.compiler_options,
+                "xla_dump_to": dump,
+                "xla_dump_latency_hiding_schedule": True,
+            }
+            compiled = trainer.compile_step(batch, options)
+            estimate = _read_estimate(Path(dump))
+    else:
+        compiled = trainer.compile_step(batch)
     _, local = mesh_shape(trainer.mesh)
     text = compiled.as_text()
     summary = summarize(text, local)
@@ -282,6 +298,7 @@ def step_report(trainer, batch: dict) -> dict:
         "state_bytes": state_bytes_per_device(trainer.abstract_state()),
         "overlap": {k: list(v) for k, v in overlap_by_kind(list(behind.values())).items()},
         "unhideable": unhideable_by_kind(list(behind.values())),
+        "estimate": None if estimate is None else dataclasses.asdict(estimate),
         "collectives": [
             {
                 "kind": c.kind,
@@ -299,6 +316,58 @@ def step_report(trainer, batch: dict) -> dict:
             for c in summary.collectives
         ],
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleEstimate:
+    """XLA:GPU's latency-hiding scheduler's own estimate of the step it
+    scheduled, from its cost model (kernel and collective times it derives
+    from the target's description; no measurement): `step_us`, the step's
+    time, and `exposed_us`, per collective kind, the time the step waits on
+    communication that no compute scheduled while it is in flight covers.
+
+    This counts what "behind a GEMM" (`Scheduled`) cannot: a collective
+    behind one short GEMM is exposed for the rest of its time, and one
+    behind other kernels (quantization, error feedback) is covered
+    without any GEMM. Both are the model's view of a program it has not
+    run: kernel times without autotuning, links at the description's speed.
+    """
+
+    step_us: float
+    exposed_us: dict[str, float]
+
+    @property
+    def exposed_total_us(self) -> float:
+        return sum(self.exposed_us.values())
+
+
+_WASTED = re.compile(r"^\s*(?P<kind>\w+?)_wasted_cycles:\s*(?P<value>[\d.eE+-]+)", re.M)
+
+
+def schedule_estimate(schedule_text: str) -> ScheduleEstimate | None:
+    """The `ScheduleEstimate` in a schedule dump (the ``*.schedule.txt``
+    that ``xla_dump_latency_hiding_schedule`` writes); None when it has no
+    scheduler statistics. Every collective kind is listed, 0 when none of
+    it is exposed (the dump leaves zeros out)."""
+    _, found, stats = schedule_text.rpartition("scheduler_statistics {")
+    total = re.search(r"total_cycles:\s*([\d.eE+-]+)", stats.split("}", 1)[0])
+    if not found or total is None:
+        return None
+    rate = re.search(r"cycles_per_microsecond:\s*([\d.eE+-]+)", schedule_text)
+    per_us = float(rate.group(1)) if rate else 1.0
+    wasted = {
+        m.group("kind").replace("_", "-"): float(m.group("value"))
+        for m in _WASTED.finditer(stats.split("}", 1)[0])
+    }
+    exposed = {kind: wasted.get(kind, 0.0) / per_us for kind in _COLLECTIVES}
+    return ScheduleEstimate(float(total.group(1)) / per_us, exposed)
+
+
+def _read_estimate(dump: Path) -> ScheduleEstimate | None:
+    """The estimate of the one step module dumped in `dump`."""
+    files = sorted(dump.glob("*.schedule.txt"))
+    estimates = [e for e in (schedule_estimate(f.read_text()) for f in files) if e is not None]
+    return max(estimates, key=lambda e: e.step_us, default=None)
 
 
 def state_bytes_per_device(state) -> int:

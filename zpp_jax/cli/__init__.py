@@ -293,6 +293,22 @@ def _comm(args) -> int:
         print(line)
     if args.target != "cpu":
         print(
+            "XLA's estimate of the step (its scheduler's cost model, not a measurement): "
+            "step time, and communication time that no compute covers:"
+        )
+        for r in reports:
+            est = r["estimate"]
+            if est is None:
+                print(f"  {r['name']:10s}no scheduler statistics")
+                continue
+            exposed = sum(est["exposed_us"].values())
+            kinds = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in est["exposed_us"].items() if v)
+            print(
+                f"  {r['name']:10s}step {est['step_us'] / 1e3:8.2f} ms   exposed "
+                f"{exposed / 1e3:7.2f} ms ({exposed / est['step_us']:.1%})"
+                + (f": {kinds}" if kinds else "")
+            )
+        print(
             "runs per step that no schedule of the program can put behind a GEMM (every "
             "GEMM of the program, or of their loop iteration, feeds them or needs them):"
         )
