@@ -5,7 +5,9 @@ bytes, replica groups, runs per step with loop trip counts); `summarize`
 totals the bytes a device moves per step by the ring model, across and
 inside nodes; `step_report` does both for a `Trainer`'s compiled step, with
 its peak memory (`memory_analysis()`). Works on programs compiled for any
-target, CPU or GPU.
+target, CPU or GPU. On a GPU, `schedule_overlap` reads what each
+collective is scheduled behind, and `schedule_estimate` XLA's own estimate
+of the step and of the communication no compute covers.
 """
 
 from __future__ import annotations
@@ -322,7 +324,8 @@ def step_report(trainer, batch: dict) -> dict:
 class ScheduleEstimate:
     """XLA:GPU's latency-hiding scheduler's own estimate of the step it
     scheduled, from its cost model (kernel and collective times it derives
-    from the target's description; no measurement): `step_us`, the step's
+    from the target's description, and a fixed cost for a kernel it cannot
+    model, such as a Pallas call; no measurement): `step_us`, the step's
     time, and `exposed_us`, per collective kind, the time the step waits on
     communication that no compute scheduled while it is in flight covers.
 
