@@ -167,7 +167,15 @@ def test_zpp_profile_link_measures_a_transfer_the_planner_reads(tmp_path, capsys
     assert run.returncode == 0, run.stderr[-3000:]
     link = json.loads(out.read_text())
     assert link["bytes_per_s"] > 0 and link["latency_s"] >= 0
-    assert [p["bytes"] for p in link["points"]] == [4096, 65536, 262144, 1048576, 4194304]
+    assert [p["bytes"] for p in link["points"]] == [
+        4096,
+        65536,
+        262144,
+        1048576,
+        4194304,
+        16777216,
+        67108864,
+    ]
     assert all(p["seconds"] > 0 for p in link["points"])
     args = ["plan", "--layers", "4", "--hidden", "64", "--seq", "96", "--stages", "2", "--json"]
     assert main([*args, "--link", str(out)]) == 0

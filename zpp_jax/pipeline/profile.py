@@ -169,7 +169,10 @@ def calibrate_step_overhead(
     return dataclasses.replace(base, step_overhead=max(0.0, (measured_s - predicted) / steps))
 
 
-LINK_SIZES = (4096, 65536, 262144, 1048576, 4194304)
+# Up to 64 MiB: at the large sizes the transfer, not the latency or a
+# scheduling stall of a loaded host, decides the time, so the fitted
+# bandwidth holds on fast links and on shared machines alike.
+LINK_SIZES = (4096, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 
 
 def measure_link(sizes=LINK_SIZES, repeats: int = 7) -> dict:
