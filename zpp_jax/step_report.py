@@ -353,21 +353,22 @@ def schedule_estimate(schedule_text: str) -> ScheduleEstimate | None:
     scheduler statistics. Every collective kind is listed, 0 when none of
     it is exposed (the dump leaves zeros out)."""
     _, found, stats = schedule_text.rpartition("scheduler_statistics {")
-    total = re.search(r"total_cycles:\s*([\d.eE+-]+)", stats.split("}", 1)[0])
+    stats = stats.split("}", 1)[0]
+    total = re.search(r"total_cycles:\s*([\d.eE+-]+)", stats)
     if not found or total is None:
         return None
     rate = re.search(r"cycles_per_microsecond:\s*([\d.eE+-]+)", schedule_text)
     per_us = float(rate.group(1)) if rate else 1.0
     wasted = {
-        m.group("kind").replace("_", "-"): float(m.group("value"))
-        for m in _WASTED.finditer(stats.split("}", 1)[0])
+        m.group("kind").replace("_", "-"): float(m.group("value")) for m in _WASTED.finditer(stats)
     }
     exposed = {kind: wasted.get(kind, 0.0) / per_us for kind in _COLLECTIVES}
     return ScheduleEstimate(float(total.group(1)) / per_us, exposed)
 
 
 def _read_estimate(dump: Path) -> ScheduleEstimate | None:
-    """The estimate of the one step module dumped in `dump`."""
+    """The estimate of the step dumped in `dump`: of the longest module, if
+    XLA compiled more than the step into it."""
     files = sorted(dump.glob("*.schedule.txt"))
     estimates = [e for e in (schedule_estimate(f.read_text()) for f in files) if e is not None]
     return max(estimates, key=lambda e: e.step_us, default=None)
