@@ -27,7 +27,7 @@ from pallas_kernels._reference import (
 )
 from pallas_kernels.dequantize import dequantize
 from pallas_kernels.quantize import quantize
-from pallas_kernels.reorder import quantize_reordered
+from pallas_kernels.reorder import quantize_reordered, quantize_reordered_with_feedback
 from pallas_kernels.requantize import dequantize_sum_quantize
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "qmax",
     "quantize",
     "quantize_reordered",
+    "quantize_reordered_with_feedback",
     "reference",
     "unpack_int4",
 ]

@@ -293,3 +293,21 @@ def quantize_reordered(
     # bits, and the swap moves 1/8 (int4) of the bytes of the fp32 input.
     q = quantize(full.reshape(nodes, local, s), bits, block_size, rounding, scale_dtype)
     return jax.tree.map(lambda a: a.swapaxes(0, 1), q)
+
+
+def quantize_reordered_with_feedback(
+    full: jax.Array,
+    residual: jax.Array,
+    nodes: int,
+    local: int,
+    bits: int,
+    block_size: int,
+    rounding: str = "nearest",
+    scale_dtype: str = "float32",
+) -> tuple[QuantizedBlocks, jax.Array]:
+    """`quantize_reordered` of `full` plus `residual` (fp32, in the blocks'
+    order: (local, nodes, s)), and what the quantization lost (fp32, same
+    shape): the residual to add next time (error feedback)."""
+    total = jnp.swapaxes(full.reshape(nodes, local, -1), 0, 1).astype(jnp.float32) + residual
+    q = quantize(total, bits, block_size, rounding, scale_dtype)
+    return q, total - dequantize(q, bits, total.shape[-1])

@@ -165,11 +165,20 @@ def _blocked(x: jax.Array, block: int, bits: int) -> tuple[jax.Array, int, int]:
 # -- quantize (optionally with the leading axes swapped) ------------------------
 
 
-def _quantize_kernel(bits, rounding, block, scale_dtype, x_ref, c_ref, s_ref):
-    parts = _load_parts(x_ref, bits == 4)
+def _quantize_kernel(bits, rounding, block, scale_dtype, x_ref, *refs):
+    halves = bits == 4
+    parts = _load_parts(x_ref, halves)
+    if len(refs) == 4:  # with an error-feedback residual
+        r_ref, c_ref, s_ref, o_ref = refs
+        parts = [a + b for a, b in zip(parts, _load_parts(r_ref, halves), strict=True)]
+    else:
+        c_ref, s_ref = refs
     codes, scales = _quantize_parts(parts, bits, rounding, block, scale_dtype)
     _store_codes(c_ref, codes, bits)
     s_ref[...] = scales
+    if len(refs) == 4:
+        lost = [t - c * scales[:, None] for t, c in zip(parts, codes, strict=True)]
+        _store_parts(o_ref, lost, jnp.float32)
 
 
 def quantize_4d(
@@ -180,9 +189,13 @@ def quantize_4d(
     interpret: bool,
     rounding: str = "nearest",
     scale_dtype: str = "float32",
+    residual: jax.Array | None = None,
 ):
-    """x (A, B, n) -> QuantizedBlocks of (B, A, nb, ...) if `swap` else (A, B, nb, ...)."""
-    a, b, _ = x.shape
+    """x (A, B, n) -> QuantizedBlocks of (B, A, nb, ...) if `swap` else (A, B, nb, ...).
+
+    With `residual` (the output's leading shape, then n) it is added to x
+    before quantizing, and (blocks, what the quantization lost) is returned."""
+    a, b, n = x.shape
     xb, nb, w = _blocked(x, block, bits)
     r = _rows_per_tile(nb, w * (2 if bits == 4 else 1))
     nbp = -(-nb // r) * r
@@ -198,22 +211,37 @@ def quantize_4d(
     else:
         in_spec = pl.BlockSpec((None, None, r, w), lambda i, j, t: (*src(i, j, t), 0))
     grid = (out_lead[0], out_lead[1], nbp // r)
-    codes, scales = _call(
+    args, in_specs = [xb], [in_spec]
+    out_specs = [
+        pl.BlockSpec((None, None, r, w), lambda i, j, t: (i, j, t, 0)),
+        pl.BlockSpec((None, None, r), lambda i, j, t: (i, j, t)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((*out_lead, nbp, w), cdtype),
+        jax.ShapeDtypeStruct((*out_lead, nbp), jnp.float32),
+    ]
+    if residual is not None:
+        rb, _, _ = _blocked(residual.astype(jnp.float32), block, bits)
+        args.append(_pad_axis(rb, 2, nbp))
+        parts = (2, w) if bits == 4 else (w,)
+        spec = pl.BlockSpec((None, None, r, *parts), lambda i, j, t: (i, j, t) + (0,) * len(parts))
+        in_specs.append(spec)
+        out_specs.append(spec)
+        out_shape.append(jax.ShapeDtypeStruct((*out_lead, nbp, *parts), jnp.float32))
+    outs = _call(
         functools.partial(_quantize_kernel, bits, rounding, block, scale_dtype),
         grid,
-        [in_spec],
-        [
-            pl.BlockSpec((None, None, r, w), lambda i, j, t: (i, j, t, 0)),
-            pl.BlockSpec((None, None, r), lambda i, j, t: (i, j, t)),
-        ],
-        [
-            jax.ShapeDtypeStruct((*out_lead, nbp, w), cdtype),
-            jax.ShapeDtypeStruct((*out_lead, nbp), jnp.float32),
-        ],
+        in_specs,
+        out_specs,
+        out_shape,
         interpret,
-    )(xb)
+    )(*args)
     cw = block // 2 if bits == 4 else block
-    return QuantizedBlocks(codes[:, :, :nb, :cw], scales[:, :, :nb])
+    q = QuantizedBlocks(outs[0][:, :, :nb, :cw], outs[1][:, :, :nb])
+    if residual is None:
+        return q
+    lost = outs[2].reshape(out_lead[0] * out_lead[1], *outs[2].shape[2:])
+    return q, _unblock(lost, bits, out_lead, nb, cw, n)
 
 
 def quantize(
@@ -234,12 +262,20 @@ def quantize(
 
 
 def quantize_reordered(
-    full, nodes, local, bits, block_size, interpret, rounding="nearest", scale_dtype="float32"
-) -> QuantizedBlocks:
+    full,
+    nodes,
+    local,
+    bits,
+    block_size,
+    interpret,
+    rounding="nearest",
+    scale_dtype="float32",
+    residual=None,
+):
     s = full.shape[-1] // (nodes * local)
     block = ref.effective_block_size(s, block_size, bits)
     x = full.reshape(nodes, local, s)
-    return quantize_4d(x, bits, block, True, interpret, rounding, scale_dtype)
+    return quantize_4d(x, bits, block, True, interpret, rounding, scale_dtype, residual)
 
 
 # -- dequantize ----------------------------------------------------------------

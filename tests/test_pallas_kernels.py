@@ -124,6 +124,37 @@ def test_quantize_reordered_bitwise(shape, s, block, bits, dtype, seed, rounding
     rows = full.reshape(nodes, local, s).swapaxes(0, 1)
     _same(q, ref_quantize(rows, bits, block, rounding))
     assert q.codes.shape[:2] == (local, nodes)
+    residual = _data(seed + 1, (local, nodes, s), jnp.float32, False) / 10
+    _feedback_case(full, residual, nodes, local, bits, block, rounding)
+
+
+def _feedback_case(full, residual, nodes, local, bits, block, rounding):
+    """The fused error-feedback quantization against the reference, and the
+    reference against its definition: the blocks of the sum, and the new
+    residual is exactly what they lost."""
+    got = pk.quantize_reordered_with_feedback(
+        full, residual, nodes, local, bits, block, rounding=rounding, interpret=True
+    )
+    s = full.shape[0] // (nodes * local)
+    ref = pk.reference.quantize_reordered_with_feedback(
+        full, residual, nodes, local, bits, block, rounding
+    )
+    _same(got, ref)
+    total = np.asarray(full.reshape(nodes, local, s).swapaxes(0, 1), np.float32) + np.asarray(
+        residual
+    )
+    _same(ref[0], ref_quantize(jnp.asarray(total), bits, block, rounding))
+    lost = total - np.asarray(ref_dequantize(ref[0], bits, s))
+    np.testing.assert_array_equal(np.asarray(ref[1]), lost)
+    assert ref[1].shape == (local, nodes, s) and ref[1].dtype == jnp.float32
+
+
+def test_quantize_reordered_with_feedback_checks_its_input():
+    full = jnp.ones((8 * 64,))
+    with pytest.raises(ValueError, match=r"residual has shape \(2, 4, 64\), expected \(4, 2, 64\)"):
+        pk.quantize_reordered_with_feedback(full, jnp.zeros((2, 4, 64)), 2, 4, 4, 64)
+    with pytest.raises(ValueError, match="multiple of 8, got shape"):
+        pk.quantize_reordered_with_feedback(jnp.ones((100,)), jnp.zeros((4, 2, 12)), 2, 4, 4, 64)
 
 
 @pytest.mark.parametrize(
@@ -156,6 +187,8 @@ def test_fixed_cases_bitwise(shape, dtype, bits, block, rounding):
         pk.quantize_reordered(full, 2, 4, bits, block, rounding=rounding, interpret=True),
         ref_quantize(full.reshape(2, 4, n).swapaxes(0, 1), bits, block, rounding),
     )
+    residual = _data(7, (4, 2, n), jnp.float32, False) / 10
+    _feedback_case(full, residual, 2, 4, bits, block, rounding)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -273,6 +306,13 @@ OPS = {
         lambda: (jnp.ones((8 * 512,)),),
         QUANTIZE,
     ),
+    "quantize_reordered_with_feedback": (
+        lambda x, r: pk.quantize_reordered_with_feedback(
+            x, r, 2, 4, 4, 32, rounding="stochastic", scale_dtype="bfloat16"
+        ),
+        lambda: (jnp.ones((8 * 512,)), jnp.zeros((4, 2, 512))),
+        QUANTIZE,
+    ),
     "dequantize_sum_quantize stochastic": (
         lambda q, r: pk.dequantize_sum_quantize(
             q, 4, 512, r, rounding="stochastic", scale_dtype="bfloat16"
@@ -323,12 +363,12 @@ def test_engine_step_lowers_for_cuda(mesh24):
         {
             # forward: quantize this device's shard (qwZ); dequantize the
             # gathered codes. Gradient with error feedback: quantize the
-            # reordered gradient plus residual, and dequantize it for the new
-            # residual.
+            # reordered gradient plus residual, the new residual in the same
+            # pass.
             QUANTIZE: 2,
-            # forward weight, backward weight (hpZ re-gather), residual, and
-            # the final cross-node sum
-            DEQUANTIZE: 4,
+            # forward weight, backward weight (hpZ re-gather) and the final
+            # cross-node sum
+            DEQUANTIZE: 3,
             # the intra-node partial sums, requantized for the node all-to-all
             DSQ: 1,
         }

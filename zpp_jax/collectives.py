@@ -253,7 +253,10 @@ def hierarchical_reduce_scatter(
     With `residual` (shape ``(residual_size(s, nodes, local),)``), the error of
     each quantization is added back before the same quantization next call
     (error feedback); returns the updated residual in the residual's dtype,
-    else None.
+    else None. Each quantization adds and updates its part of the residual
+    in the same kernel (`pallas_kernels.quantize_reordered_with_feedback`,
+    `pallas_kernels.dequantize_sum_quantize`): one more read and write of
+    the residual, no pass over the gradient of its own.
 
     `before_node_step`, if given, is called (while tracing) with the
     blocks about to cross nodes, once the step inside the node has made
@@ -314,14 +317,20 @@ def hierarchical_reduce_scatter(
                 full, nodes, local, bits, block_size, rounding=rounding, scale_dtype=scale_dtype
             )
         else:
-            rows = full.reshape(nodes, local, s).swapaxes(0, 1) + r_local
-            q = kernels.quantize(rows, bits, block_size, rounding=rounding, scale_dtype=scale_dtype)
-            r_local = rows - kernels.dequantize(q, bits, s)
+            q, r_local = kernels.quantize_reordered_with_feedback(
+                full,
+                r_local,
+                nodes,
+                local,
+                bits,
+                block_size,
+                rounding=rounding,
+                scale_dtype=scale_dtype,
+            )
+            residual = _write_residual(residual, 0, r_local)
         arrived = _all_to_all(q, LOCAL, scale_dtype)
         if nodes == 1:
-            return _mean(_dequantize_sum(arrived, bits, s)[0], mean), _pack_residual(
-                residual, r_local, r_node
-            )
+            return _mean(_dequantize_sum(arrived, bits, s)[0], mean), residual
         q, r_node = kernels.dequantize_sum_quantize(
             arrived, bits, s, r_node, rounding=rounding, scale_dtype=scale_dtype
         )
@@ -341,7 +350,9 @@ def hierarchical_reduce_scatter(
         shard = _dequantize_sum(arrived, bits, s)
     else:  # a 1 x 1 mesh: nothing to reduce
         shard = kernels.dequantize(q, bits, s)[0]
-    return _mean(shard, mean), _pack_residual(residual, r_local, r_node)
+    if r_node is not None:
+        residual = _write_residual(residual, n * s, r_node)
+    return _mean(shard, mean), residual
 
 
 def _chunk_rows(a: jax.Array, nodes: int, local: int) -> jax.Array:
@@ -359,8 +370,10 @@ def _dequantize_sum(q: quant.QuantizedBlocks, bits: int, size: int) -> jax.Array
     return total
 
 
-def _pack_residual(residual, r_local, r_node):
-    if residual is None:
-        return None
-    pieces = [r.reshape(-1) for r in (r_local, r_node)]
-    return jnp.concatenate(pieces).astype(residual.dtype)
+def _write_residual(residual: jax.Array, start: int, part: jax.Array) -> jax.Array:
+    """`residual` with `part` written over it from `start`. Written in place
+    as soon as each part exists, rather than the whole residual assembled
+    once the last part exists: the full-gradient part then neither waits
+    nor stays alive through the step inside the node, and no copy of it is
+    left to run in the step across nodes' window."""
+    return lax.dynamic_update_slice(residual, part.reshape(-1).astype(residual.dtype), (start,))
