@@ -299,6 +299,48 @@ def test_error_feedback_residuals_carry_over(mesh24):
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
+class _SquareHead(nnx.Module):
+    """A final norm and a projection to the model's own width: every
+    variable has the same leading size, as in a stack of layers."""
+
+    def __init__(self, d, rngs):
+        self.ln = nnx.LayerNorm(d, rngs=rngs)
+        self.proj = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return self.proj(self.ln(x))
+
+
+class _WithSquareHead(nnx.Module):
+    def __init__(self, d, rngs):
+        self.layers = nnx.List([nnx.Linear(d, d, rngs=rngs) for _ in range(2)])
+        self.head = _SquareHead(d, rngs)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jax.nn.relu(layer(x))
+        return self.head(x)
+
+
+def test_a_layer_whose_sizes_agree_is_not_a_stack(mesh24):
+    """A head of a norm over d and a d -> d projection is one unit, not a
+    stack of d layers: with error feedback its residual fits its call and
+    the model trains."""
+    model = zpp.shard(
+        _WithSquareHead(16, nnx.Rngs(0)), mesh24, zpp.ZeroPPConfig(error_feedback=True)
+    )
+    x = jax.device_put(jnp.ones((8, 16)), zpp.batch_sharding(mesh24))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    losses = []
+    for _ in range(3):
+        loss, grads = zpp.value_and_grad(lambda m: jnp.mean(jnp.square(m(x) - 1.0)))(model)
+        opt.update(model, grads)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    residuals = jax.tree.leaves(nnx.state(model.head, zpp.FeedbackResidual))
+    assert len(residuals) == 1 and residuals[0].ndim == 1
+
+
 class _NormLayer(nnx.Module):
     def __init__(self, rngs):
         self.lin = nnx.Linear(32, 32, use_bias=False, rngs=rngs)

@@ -123,7 +123,30 @@ def _looks_stacked(module: nnx.Module) -> bool:
         return False
     has_children = any(path for path, _ in nnx.iter_modules(module))
     has_rng = bool(jax.tree.leaves(nnx.state(module, nnx.RngKey)))
-    return has_children or has_rng
+    return (has_children or has_rng) and not _holds_one_layer(module)
+
+
+def _holds_one_layer(module: nnx.Module) -> bool:
+    """Some Flax layer inside `module` holds a parameter of exactly the shape
+    its own sizes declare (a `nnx.Linear` kernel of (in_features,
+    out_features), a norm scale of (num_features,), an `nnx.Embed` table):
+    one layer, not a stack of them, whose variables merely share a leading
+    size (a final norm and an LM head with d_model == vocab_size)."""
+
+    def declared(m):
+        if isinstance(m, nnx.Linear):
+            return m.kernel, (m.in_features, m.out_features)
+        if isinstance(m, nnx.Embed):
+            return m.embedding, (m.num_embeddings, m.features)
+        if isinstance(m, nnx.LayerNorm | nnx.RMSNorm) and m.scale is not None:
+            return m.scale, (m.num_features,)
+        return None, None
+
+    for _, m in nnx.iter_modules(module):
+        param, shape = declared(m)
+        if param is not None and np.shape(param) == shape:
+            return True
+    return False
 
 
 def default_units(model: nnx.Module) -> list[Path]:
