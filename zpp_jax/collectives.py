@@ -327,10 +327,11 @@ def hierarchical_reduce_scatter(
                 rounding=rounding,
                 scale_dtype=scale_dtype,
             )
-            residual = _write_residual(residual, 0, r_local)
         arrived = _all_to_all(q, LOCAL, scale_dtype)
         if nodes == 1:
-            return _mean(_dequantize_sum(arrived, bits, s)[0], mean), residual
+            return _mean(_dequantize_sum(arrived, bits, s)[0], mean), _pack_residual(
+                residual, r_local, r_node
+            )
         q, r_node = kernels.dequantize_sum_quantize(
             arrived, bits, s, r_node, rounding=rounding, scale_dtype=scale_dtype
         )
@@ -350,9 +351,7 @@ def hierarchical_reduce_scatter(
         shard = _dequantize_sum(arrived, bits, s)
     else:  # a 1 x 1 mesh: nothing to reduce
         shard = kernels.dequantize(q, bits, s)[0]
-    if r_node is not None:
-        residual = _write_residual(residual, n * s, r_node)
-    return _mean(shard, mean), residual
+    return _mean(shard, mean), _pack_residual(residual, r_local, r_node)
 
 
 def _chunk_rows(a: jax.Array, nodes: int, local: int) -> jax.Array:
@@ -370,10 +369,8 @@ def _dequantize_sum(q: quant.QuantizedBlocks, bits: int, size: int) -> jax.Array
     return total
 
 
-def _write_residual(residual: jax.Array, start: int, part: jax.Array) -> jax.Array:
-    """`residual` with `part` written over it from `start`. Written in place
-    as soon as each part exists, rather than the whole residual assembled
-    once the last part exists: the full-gradient part then neither waits
-    nor stays alive through the step inside the node, and no copy of it is
-    left to run in the step across nodes' window."""
-    return lax.dynamic_update_slice(residual, part.reshape(-1).astype(residual.dtype), (start,))
+def _pack_residual(residual, r_local, r_node):
+    if residual is None:
+        return None
+    pieces = [r.reshape(-1) for r in (r_local, r_node)]
+    return jnp.concatenate(pieces).astype(residual.dtype)
