@@ -47,6 +47,7 @@ for mib in args.mib:
     n = mib * (1 << 20) // 2
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
     copy_t = timed(jax.jit(lambda a: a + jnp.bfloat16(1)), x)
+    residual = jnp.zeros((4, 2, n // 8), jnp.float32)
     for bits in (8, 4):
         q = jax.jit(lambda a, bits=bits: pk.quantize(a, bits, args.block))(x)
         qk = jax.tree.map(lambda a: jnp.stack([a] * 4), q)
@@ -63,6 +64,13 @@ for mib in args.mib:
                 lambda q, b=bits, n=n: pk.dequantize(q, b, n, jnp.bfloat16),
                 (q,),
                 q_bytes + 2 * n,
+            ),
+            (
+                # the residual is fp32, read and written
+                f"quantize + feedback int{bits}",
+                lambda a, r, b=bits: pk.quantize_reordered_with_feedback(a, r, 2, 4, b, args.block),
+                (x, residual),
+                2 * n + q_bytes + 8 * n,
             ),
             (
                 f"dequant-sum4-quant int{bits}",

@@ -73,6 +73,7 @@ def kernel_cases(bits, rounding):
     x = inputs(N, bits)
     q = jax.jit(lambda a: ref.quantize(a, bits, BLOCK))(x)
     stacked = jax.tree.map(lambda a: jnp.stack([a] * LOCAL), q)
+    residual = inputs(N, bits + 1).reshape(LOCAL, NODES, -1) / 100
     return [
         (
             "quantize",
@@ -85,6 +86,16 @@ def kernel_cases(bits, rounding):
             lambda a: pk.quantize_reordered(a, NODES, LOCAL, bits, BLOCK, rounding=rounding),
             lambda a: ref.quantize_reordered(a, NODES, LOCAL, bits, BLOCK, rounding=rounding),
             (x,),
+        ),
+        (
+            "quantize_reordered_with_feedback",
+            lambda a, r: pk.quantize_reordered_with_feedback(
+                a, r, NODES, LOCAL, bits, BLOCK, rounding=rounding
+            ),
+            lambda a, r: ref.quantize_reordered_with_feedback(
+                a, r, NODES, LOCAL, bits, BLOCK, rounding=rounding
+            ),
+            (x, residual),
         ),
         (
             "dequantize",
@@ -107,7 +118,7 @@ for bits in (8, 4):
         for name, kernel, reference, xs in kernel_cases(bits, rounding):
             ok = same(jax.jit(kernel)(*xs), jax.jit(reference)(*xs))
             failures += not ok
-            print(f"  {name:26s} int{bits} {rounding:10s} {'bit-identical' if ok else 'DIFFERS'}")
+            print(f"  {name:34s} int{bits} {rounding:10s} {'bit-identical' if ok else 'DIFFERS'}")
 print(f"kernels: {'all bit-identical' if not failures else f'{failures} differ'}")
 
 # -- 2. kernel bandwidth -------------------------------------------------------------
