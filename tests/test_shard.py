@@ -330,12 +330,15 @@ def test_a_layer_whose_sizes_agree_is_not_a_stack(mesh24):
         _WithSquareHead(16, nnx.Rngs(0)), mesh24, zpp.ZeroPPConfig(error_feedback=True)
     )
     x = jax.device_put(jnp.ones((8, 16)), zpp.batch_sharding(mesh24))
-    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-    losses = []
-    for _ in range(3):
+    opt = zpp.on_mesh(nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param), mesh24)
+
+    @nnx.jit
+    def step(model, opt, x):
         loss, grads = zpp.value_and_grad(lambda m: jnp.mean(jnp.square(m(x) - 1.0)))(model)
         opt.update(model, grads)
-        losses.append(float(loss))
+        return loss
+
+    losses = [float(step(model, opt, x)) for _ in range(3)]
     assert losses[-1] < losses[0]
     residuals = jax.tree.leaves(nnx.state(model.head, zpp.FeedbackResidual))
     assert len(residuals) == 1 and residuals[0].ndim == 1
