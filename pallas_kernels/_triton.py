@@ -166,17 +166,15 @@ def _blocked(x: jax.Array, block: int, bits: int) -> tuple[jax.Array, int, int]:
 
 
 def _quantize_kernel(bits, rounding, block, scale_dtype, x_ref, *refs):
-    halves = bits == 4
-    parts = _load_parts(x_ref, halves)
-    if len(refs) == 4:  # with an error-feedback residual
-        r_ref, c_ref, s_ref, o_ref = refs
-        parts = [a + b for a, b in zip(parts, _load_parts(r_ref, halves), strict=True)]
-    else:
-        c_ref, s_ref = refs
+    with_residual = len(refs) == 4  # an error-feedback residual in, the new one out
+    r_ref, c_ref, s_ref, o_ref = refs if with_residual else (None, *refs, None)
+    parts = _load_parts(x_ref, bits == 4)
+    if with_residual:
+        parts = [a + b for a, b in zip(parts, _load_parts(r_ref, bits == 4), strict=True)]
     codes, scales = _quantize_parts(parts, bits, rounding, block, scale_dtype)
     _store_codes(c_ref, codes, bits)
     s_ref[...] = scales
-    if len(refs) == 4:
+    if with_residual:
         lost = [t - c * scales[:, None] for t, c in zip(parts, codes, strict=True)]
         _store_parts(o_ref, lost, jnp.float32)
 
