@@ -40,6 +40,15 @@ def _layers(h, ws):
     return jax.lax.scan(body, h, ws)
 
 
+def _carried(carry, w):
+    """`_layers`' body with the token carried by hand."""
+    h, token = carry
+    h = jnp.tanh(h @ w) + token[0]
+    token = token + h.sum()
+    h = h * 2.0 + token[1]
+    return (h, token * 0.5), h.sum()
+
+
 def test_a_relaying_loop_carries_its_token_and_is_unrolled():
     h, ws = jnp.ones((2, 3)), jax.random.normal(jax.random.key(0), (5, 3, 3))
     closed = jax.make_jaxpr(jax.jit(_layers))(h, ws)
@@ -59,20 +68,65 @@ def test_a_relaying_loop_carries_its_token_and_is_unrolled():
     got = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(rewritten, closed.consts))(h, ws)
 
     def chained(h, ws):  # the same loop written with the token carried by hand
-        def body(carry, w):
-            h, token = carry
-            h = jnp.tanh(h @ w) + token[0]
-            token = token + h.sum()
-            h = h * 2.0 + token[1]
-            return (h, token * 0.5), h.sum()
-
-        (h, _), ys = jax.lax.scan(body, (h, jnp.zeros(4)), ws)
+        (h, _), ys = jax.lax.scan(_carried, (h, jnp.zeros(4)), ws)
         return h, ys
 
     want = chained(h, ws)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6)
     assert not np.allclose(want[0], _layers(h, ws)[0])  # the carry is what changed
+
+
+def _model(h, ws):
+    """A unit before the loop and one after it, each starting a chain of its
+    own as units called outside a loop body do: an embedding, the layers, a
+    head."""
+    token = zpp_relay_start(4)
+    h = h + token[0]
+    zpp_relay_end(token + h.sum())
+    h, _ = _layers(h, ws)
+    token = zpp_relay_start(4)
+    h = h * 3.0 + token[2]
+    zpp_relay_end(token - 1.0)
+    return h
+
+
+def test_the_loop_joins_the_chain_of_the_units_around_it():
+    """The loop takes the token the unit before it handed on, and the unit
+    after it takes the loop's last token instead of a fresh one: one chain
+    from the first unit to the last."""
+    h, ws = jnp.ones((2, 3)), jax.random.normal(jax.random.key(0), (5, 3, 3))
+    closed = jax.make_jaxpr(jax.jit(_model))(h, ws)
+    rewritten = relay_loops(closed.jaxpr)
+    jcore.check_jaxpr(rewritten)
+
+    def markers(jaxpr, name):
+        found = []
+        for eqn in jaxpr.eqns:
+            if eqn.params.get("name") == name:
+                found.append(eqn)
+            for v in eqn.params.values():
+                if isinstance(v, jcore.ClosedJaxpr) and v.jaxpr is not jaxpr:
+                    found += markers(v.jaxpr, name) if eqn.primitive.name != "scan" else []
+        return found
+
+    assert len(markers(closed.jaxpr, "zpp_relay_start")) == 2
+    assert len(markers(rewritten, "zpp_relay_start")) == 1  # only the first unit's
+    (loop,) = _scans(rewritten)
+    first_end = markers(rewritten, "zpp_relay_end")[0]
+    at_in = loop.params["num_consts"] + loop.params["num_carry"] - 1  # the token carry
+    assert loop.invars[at_in] is first_end.outvars[0]
+    got = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(rewritten, closed.consts))(h, ws)
+
+    def chained(h, ws):  # the same model with one token carried by hand
+        token = jnp.zeros(4)
+        h = h + token[0]
+        token = token + h.sum()
+        (h, token), _ = jax.lax.scan(_carried, (h, token), ws)
+        return h * 3.0 + token[2]
+
+    np.testing.assert_allclose(got[0], chained(h, ws), rtol=1e-6)
+    assert not np.allclose(chained(h, ws), _model(h, ws))  # the chain is what changed
 
 
 def test_a_loop_without_a_relay_chain_is_left_alone():

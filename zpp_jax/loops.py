@@ -16,8 +16,11 @@ compiler overlap one layer's collectives with its neighbours' compute.
 the model's code: it traces the function, and for every loop whose body
 starts a relay chain it carries the token through the loop (one more carry,
 `zpp_jax.layer.TOKEN_SIZE` float32 values per device) and unrolls the loop
-fully. The arithmetic is the loop's own, operation for operation; the
-program grows with the number of iterations, and so does its compile time.
+fully. The loop also joins the chain of the units called around it (a
+model's embedding before it, its head after it), which the loop body's own
+trace would otherwise cut into three. The arithmetic is the loop's own,
+operation for operation; the program grows with the number of iterations,
+and so does its compile time.
 
 Recognized: loops whose body calls the units itself, at its top level (not
 inside a `jax.checkpoint` or another loop of the body), anywhere in the
@@ -91,14 +94,34 @@ def unroll_relayed_loops(f: Callable) -> Callable:
 
 def relay_loops(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
     """`jaxpr` with each relay-starting loop rewritten (see the module
-    docstring); the same object when there is none."""
+    docstring); the same object when there is none.
+
+    The rewritten loop joins the chain of the units called next to it at
+    the same level: it takes the token the unit before it handed on, and
+    the first unit after it takes the loop's last token in place of a fresh
+    one. A model's embedding, its layer loop and its head are then one
+    chain, so the head's gradient reduction runs behind the last layer's
+    backward compute as every layer's runs behind the next one's."""
     eqns, changed = [], False
+    chain_end = None  # the token the last unit called at this level handed on
+    loop_end = None  # the last token of the loop rewritten last, not yet taken
     for eqn in jaxpr.eqns:
+        marker = _marker(eqn)
+        if marker == _END:
+            chain_end, loop_end = eqn.outvars[0], None
+        elif marker == _START and loop_end is not None and _continues(loop_end[0], eqn):
+            # The first unit after a rewritten loop takes the loop's last
+            # token (through the identity that marks a chain's end).
+            token, end = loop_end
+            eqns.append(end.replace(invars=[token], outvars=eqn.outvars))
+            chain_end, loop_end, changed = None, None, True
+            continue
         if eqn.primitive.name == "scan":
-            new = _relayed_scan(eqn)
+            new = _relayed_scan(eqn, chain_end)
             if new is not None:
-                eqns.extend(new)
-                changed = True
+                rewritten, last, end = new
+                eqns.extend(rewritten)
+                chain_end, loop_end, changed = last, (last, end), True
                 continue
         if eqn.primitive.name in _SEARCHED:
             params = {k: _inner(v) for k, v in eqn.params.items()}
@@ -107,6 +130,13 @@ def relay_loops(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
                 changed = True
         eqns.append(eqn)
     return jaxpr.replace(eqns=eqns) if changed else jaxpr
+
+
+def _continues(token: jcore.Var | None, start: jcore.JaxprEqn) -> bool:
+    """Whether `start` (a fresh token) can be replaced by `token`: the same
+    mesh's token, so the same shape."""
+    fresh = start.outvars[0].aval
+    return token is not None and (token.aval.shape, token.aval.dtype) == (fresh.shape, fresh.dtype)
 
 
 def _inner(value: Any) -> Any:
@@ -122,9 +152,13 @@ def _marker(eqn: jcore.JaxprEqn) -> str | None:
     return eqn.params.get("name") if eqn.primitive.name in ("jit", "pjit") else None
 
 
-def _relayed_scan(eqn: jcore.JaxprEqn) -> list[jcore.JaxprEqn] | None:
-    """[a fresh token, the loop carrying it and unrolled], or None when the
-    loop's body starts no relay chain of its own."""
+def _relayed_scan(
+    eqn: jcore.JaxprEqn, token: jcore.Var | None
+) -> tuple[list[jcore.JaxprEqn], jcore.Var, jcore.JaxprEqn] | None:
+    """([the loop carrying a token and unrolled, after a fresh token when
+    `token` (what the unit before it handed on) cannot start it], the
+    loop's last token, the body's last `zpp_relay_end` call), or None when
+    the loop's body starts no relay chain of its own."""
     body: jcore.ClosedJaxpr = eqn.params["jaxpr"]
     inner = body.jaxpr
     starts = [i for i, e in enumerate(inner.eqns) if _marker(e) == _START]
@@ -150,10 +184,12 @@ def _relayed_scan(eqn: jcore.JaxprEqn) -> list[jcore.JaxprEqn] | None:
         outvars=[*inner.outvars[:at_out], token_out, *inner.outvars[at_out:]],
         debug_info=info,
     )
-    first = jcore.Var(token_in.aval)
+    fresh = [] if _continues(token, start) else [start.replace(outvars=[jcore.Var(token_in.aval)])]
+    first = fresh[0].outvars[0] if fresh else token
+    last = jcore.Var(token_out.aval)
     loop = eqn.replace(
         invars=[*eqn.invars[:at_in], first, *eqn.invars[at_in:]],
-        outvars=[*eqn.outvars[:at_out], jcore.DropVar(token_in.aval), *eqn.outvars[at_out:]],
+        outvars=[*eqn.outvars[:at_out], last, *eqn.outvars[at_out:]],
         params={
             **eqn.params,
             "jaxpr": jcore.ClosedJaxpr(new_body, body.consts),
@@ -161,4 +197,4 @@ def _relayed_scan(eqn: jcore.JaxprEqn) -> list[jcore.JaxprEqn] | None:
             "unroll": max(int(eqn.params["length"]), 1),
         },
     )
-    return [start.replace(outvars=[first]), loop]
+    return [*fresh, loop], last, ends[-1]
