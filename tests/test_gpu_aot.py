@@ -173,15 +173,14 @@ def _share(report, kinds, where=None):
 
 
 # Overlapped share of each role's collectives per step, on the compiled
-# schedule, against the bound of 0.9. The cases below the bound are marked
-# as expected failures, all of them qgZ reductions: the middle layers' two
-# steps run behind matrix multiplies, but in the GPT not the head's nor the
-# last units' at the end of the backward pass (36 of its 40 at most), and
-# with error feedback the Llama has a few more of its last layers' left.
+# schedule, against the bound of 0.9. The case below the bound is marked as
+# an expected failure: the GPT's qgZ reductions without error feedback
+# (35 of 40). Every layer's two steps run behind matrix multiplies except
+# the last units' at the end of the backward pass, where the embedding's
+# backward pass has none, and the head's small all-to-all, which XLA
+# covers with the kernels before the first layer's re-gather arrives.
 _BELOW_BOUND = {
     ("gpt-125m", "zeropp", "reductions"),
-    ("gpt-125m", "zeropp_ef", "reductions"),
-    ("llama-7b", "zeropp_ef", "reductions"),
 }
 
 
@@ -231,24 +230,11 @@ def test_error_feedback_leaves_no_more_reduction_exposed(model):
     assert ef <= 1.05 * plain
 
 
-@pytest.mark.parametrize(
-    "model,config",
-    [
-        pytest.param(
-            m,
-            c,
-            marks=pytest.mark.xfail(strict=True, reason="more gather time left exposed")
-            if (m, c) == ("gpt-125m", "zeropp_ef")
-            else (),
-        )
-        for m in MODELS
-        for c in ("zeropp", "zeropp_ef")
-    ],
-)
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("config", ["zeropp", "zeropp_ef"])
 def test_zeropp_leaves_less_communication_exposed_than_zero3(model, config):
     """In XLA's estimate the ZeRO++ step waits on communication for less
-    time than the ZeRO-3 (bf16 wire) step of the same model; not yet the
-    GPT's with error feedback, whose weight gathers are left more exposed."""
+    time than the ZeRO-3 (bf16 wire) step of the same model."""
     zero3 = _report(model, "zero3")["estimate"]["exposed_us"]
     zpp = _report(model, config)["estimate"]["exposed_us"]
     assert sum(zpp.values()) < sum(zero3.values())
@@ -265,13 +251,15 @@ def test_what_no_schedule_can_hide_bounds_the_overlap(model, config):
     """A collective that every matrix multiply of its computation (the
     program, or one loop iteration) feeds or waits for runs behind none in
     any schedule of the program, and is never counted behind one. With the
-    layers relayed (the Llama's list, the GPT's unrolled layer loop) at most
-    the last units' reductions are such collectives (the embedding's, whose
-    backward pass has no matrix multiply)."""
+    layers relayed (the Llama's list, the GPT's unrolled layer loop) the
+    only such reductions are the first layer's: through the relay every
+    other unit's reduction, and so every matrix multiply, feeds it, and the
+    embedding's backward pass after it has no matrix multiply (one unit of
+    the GPT's 20, two collectives of its 40 with qgZ)."""
     report = _report(model, config)
     for c in report["collectives"]:
         assert c["hideable"] or not c["behind"], c
-    assert _unhideable_share(report, ROLES["reductions"]) < 0.05
+    assert _unhideable_share(report, ROLES["reductions"]) <= 0.05
 
 
 @pytest.mark.parametrize("config", ["zero3", "zeropp"])

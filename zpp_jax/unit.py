@@ -297,7 +297,8 @@ class _Relay:
     mesh (see `ShardedLayer.relayed`): consecutive units of an unrolled
     model are linked through it. A unit called in another trace (a scan
     body, a remat region) starts a chain of its own (`zpp_jax.loops` links
-    a layer loop's chains across its iterations). The last token stays
+    a layer loop's chains across its iterations, and to the units called
+    before and after the loop). The last token stays
     referenced until the next unit call on its mesh or `clear_relay` (which
     the engine's `value_and_grad`, and so the `Trainer`, call when they
     return)."""
