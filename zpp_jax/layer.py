@@ -201,12 +201,12 @@ class ShardedLayer:
         if after is not None:
             # Relayed: the cross-node gather runs two layers ahead, the
             # local one (or the flat one, without hpZ) one layer ahead.
-            wire = _after(wire, token=after[1:2] if self.config.hpz else after[:1])
+            wire = _after(wire, after[1:2] if self.config.hpz else after[:1], apart=True)
         if not self.config.hpz:
             return self._decode(collectives.gather_all(wire)), None
         secondary = collectives.gather_over(wire, NODE)
         if after is not None:
-            secondary = _after(secondary, token=after[:1])
+            secondary = _after(secondary, after[:1], apart=True)
         return self._assemble(secondary), secondary
 
     def _gather_backward(self, saved):
@@ -458,29 +458,31 @@ def _quantize_rows_by_tensor(
 _SHORT_ROW = 256
 
 
-def _after(tree, *deps, token=None):
+def _after(tree, *deps, apart: bool = False):
     """`tree` made to depend on the first element of every float array in
-    `deps` and of `token` (a slice of a relay token): a data dependency
-    that no compiler pass can remove (an optimization barrier is dropped
-    before XLA:GPU schedules, and XLA:CPU drops barriers before its last
-    CSE pass) or see through, so a collective on `tree` can neither be
-    hoisted before `deps` exist nor merged with an identical one elsewhere.
-    The values are unchanged, infinities and NaNs in `deps` included: each
-    element is made finite before it is multiplied by 0. Costs one add over
-    each numeric array of `tree` (integer codes and raw bits included), and
-    with `token` one kernel that reads one element.
+    `deps`: a data dependency that no compiler pass can remove (an
+    optimization barrier is dropped before XLA:GPU schedules, and XLA:CPU
+    drops barriers before its last CSE pass) or see through, so a
+    collective on `tree` can neither be hoisted before `deps` exist nor
+    merged with an identical one elsewhere. The values are unchanged,
+    infinities and NaNs in `deps` included: each element is made finite
+    before it is multiplied by 0. Costs one add over each numeric array of
+    `tree` (integer codes and raw bits included), and `apart` one kernel
+    per element.
 
-    The token's element is taken by that kernel of its own, behind a
-    barrier. Otherwise XLA:GPU merges the ties of neighbouring layers, whose
-    tokens share their inputs, into one multi-output fusion, and each tie
-    then waits for what all of them wait for: a layer's input cotangent for
-    its own gradient reduction, say, which the relay runs behind the next
-    layer's compute."""
+    `apart`: each element is read by a kernel of its own, behind a barrier.
+    Otherwise XLA:GPU merges ties that read the same arrays (neighbouring
+    layers' tokens, a layer's saved activations) with each other or with
+    other work into one multi-output fusion, and each tie then waits for
+    what all of them wait for: a layer's input cotangent for its own
+    gradient reduction, say, which the relay runs behind the next layer's
+    compute. The ties that order a unit's collectives against its
+    neighbours' work use it."""
     firsts = [jnp.ravel(x)[0].astype(jnp.float32) for x in _floats(deps)]
-    if token is not None:
-        firsts.append(lax.optimization_barrier(token[0].astype(jnp.float32)))
     if not firsts:
         return tree
+    if apart:
+        firsts = [lax.optimization_barrier(x) for x in firsts]
     zero = sum(jnp.nan_to_num(x) * 0 for x in firsts)
 
     def tie(x):
@@ -538,7 +540,7 @@ def _build(layer: ShardedLayer):
         # forward gather's, which would make the forward gather wait for
         # what the re-gather is tied to.
         if g_token is not None:
-            saved = _after(lax.optimization_barrier(saved), kept, token=g_token[:1])
+            saved = _after(lax.optimization_barrier(saved), kept, g_token[:1], apart=True)
         elif layer.prefetch:
             saved = _after(lax.optimization_barrier(saved), kept if _floats(kept) else g)
         else:
@@ -564,12 +566,12 @@ def _build(layer: ShardedLayer):
         # cotangent to this layer's own weight gradient, so that its
         # reduction could start earlier, cost memory with error feedback
         # and overlap without it.)
-        g_x = _after(g_x, token=g_token[1:2])
-        done = _after(shard_grad[:1], token=g_token[2:3])
+        g_x = _after(g_x, g_token[1:2], apart=True)
+        done = _after(shard_grad[:1], g_token[2:3], apart=True)
         if node_step is None:
             wait, hand_on = done, _ZERO
         else:
-            wait, hand_on = _after(node_step, token=g_token[2:3]), done
+            wait, hand_on = _after(node_step, g_token[2:3], apart=True), done
         started = _after(_ZERO, g)
         return shard_grad, new_residual, g_x, jnp.concatenate([started, wait, hand_on])
 
