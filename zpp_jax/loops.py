@@ -104,24 +104,24 @@ def relay_loops(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
     backward compute as every layer's runs behind the next one's."""
     eqns, changed = [], False
     chain_end = None  # the token the last unit called at this level handed on
-    loop_end = None  # the last token of the loop rewritten last, not yet taken
+    # While `chain_end` is a rewritten loop's last token: the loop body's
+    # `zpp_relay_end` call, an identity to hand that token on through.
+    loop_end = None
     for eqn in jaxpr.eqns:
         marker = _marker(eqn)
         if marker == _END:
             chain_end, loop_end = eqn.outvars[0], None
-        elif marker == _START and loop_end is not None and _continues(loop_end[0], eqn):
-            # The first unit after a rewritten loop takes the loop's last
-            # token (through the identity that marks a chain's end).
-            token, end = loop_end
-            eqns.append(end.replace(invars=[token], outvars=eqn.outvars))
+        elif marker == _START and loop_end is not None and _continues(chain_end, eqn):
+            # The first unit after a rewritten loop takes the loop's last token.
+            eqns.append(loop_end.replace(invars=[chain_end], outvars=eqn.outvars))
             chain_end, loop_end, changed = None, None, True
             continue
         if eqn.primitive.name == "scan":
             new = _relayed_scan(eqn, chain_end)
             if new is not None:
-                rewritten, last, end = new
+                rewritten, chain_end, loop_end = new
                 eqns.extend(rewritten)
-                chain_end, loop_end, changed = last, (last, end), True
+                changed = True
                 continue
         if eqn.primitive.name in _SEARCHED:
             params = {k: _inner(v) for k, v in eqn.params.items()}
