@@ -17,7 +17,7 @@ import optax
 import pytest
 from flax import nnx
 
-from zpp_jax import Trainer, ZeroPPConfig, make_mesh, step_report
+from zpp_jax import JitFSDP, Trainer, ZeroPPConfig, make_mesh, step_report
 from zpp_jax.aot import TARGET_CONFIG_ENV, has_cuda_plugin, target_config, target_mesh
 from zpp_jax.cli import main
 from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
@@ -282,6 +282,22 @@ def test_a_layer_loop_left_as_a_loop_hides_almost_no_reduction(config):
     report = _report("gpt-125m", config, unroll=False)
     assert _unhideable_share(report, ROLES["reductions"]) > 0.5
     assert _share(report, ROLES["reductions"]) < 0.2
+    # XLA's statistics would count the loop's body once: no estimate.
+    assert report["estimate"] is None and "loop" in report["estimate_withheld"]
+
+
+def test_the_plain_jit_baseline_compiles_for_the_target():
+    """`JitFSDP`, the GPT under plain `jax.jit` with FSDP-style shardings and
+    bf16 compute: its step compiles for 2 x 4 H200s with asynchronous
+    collectives, the largest weight gather travels in bf16, and its layer
+    loop withholds XLA's estimate (counted once, not per layer)."""
+    abstract = nnx.eval_shape(lambda: _model("gpt-125m"))
+    baseline = JitFSDP(abstract, optax.adamw(1e-3), _h200(), compute_dtype="bfloat16")
+    report = step_report(baseline, _batch("gpt-125m"))
+    gathers = [c for c in report["collectives"] if c["kind"] == "all-gather"]
+    assert any(c["async"] for c in report["collectives"])
+    assert set(max(gathers, key=lambda c: c["bytes"])["dtypes"]) == {"bf16"}
+    assert report["estimate"] is None and "loop" in report["estimate_withheld"]
 
 
 @pytest.mark.parametrize("model", list(MODELS))

@@ -19,6 +19,8 @@ __version__ = "0.1.0"
 _SUBMODULES = ("aot", "collectives", "distributed", "pipeline", "quant")
 _EXPORTS = {
     "target_mesh": "zpp_jax.aot",
+    "JitFSDP": "zpp_jax.baseline",
+    "fsdp_sharding": "zpp_jax.baseline",
     "Checkpointer": "zpp_jax.checkpoint",
     "ZeroPPConfig": "zpp_jax.config",
     "BatchLoader": "zpp_jax.data",

@@ -265,8 +265,12 @@ def step_report(trainer, batch: dict) -> dict:
     (`Scheduled.hideable`; those that cannot, per kind, under
     "unhideable"). On a GPU mesh, "estimate" is the scheduler's own
     estimate of the step and of the communication it left exposed
-    (`ScheduleEstimate`; None elsewhere). The trainer may be abstract
-    (built on an ``nnx.eval_shape`` model, for a compile-only mesh)."""
+    (`ScheduleEstimate`); None elsewhere, and None, with the reason in
+    "estimate_withheld", for a program with a loop: the scheduler's
+    statistics count a loop's body once, not once per iteration. The
+    trainer may be abstract (built on an ``nnx.eval_shape`` model, for a
+    compile-only mesh); anything with the same `mesh`, `compiler_options`,
+    `compile_step` and `abstract_state` will do (`zpp_jax.JitFSDP`)."""
     from zpp_jax.mesh import mesh_shape
     from zpp_jax.schedule import schedules_overlap
 
@@ -284,6 +288,9 @@ def step_report(trainer, batch: dict) -> dict:
         compiled = trainer.compile_step(batch)
     _, local = mesh_shape(trainer.mesh)
     text = compiled.as_text()
+    withheld = None
+    if estimate is not None and _WHILE.search(text):
+        estimate, withheld = None, "the program has a loop, whose body XLA's statistics count once"
     summary = summarize(text, local)
     behind = {s.name: s for s in schedule_overlap(text)}
     ma = compiled.memory_analysis()
@@ -301,6 +308,7 @@ def step_report(trainer, batch: dict) -> dict:
         "overlap": {k: list(v) for k, v in overlap_by_kind(list(behind.values())).items()},
         "unhideable": unhideable_by_kind(list(behind.values())),
         "estimate": None if estimate is None else dataclasses.asdict(estimate),
+        "estimate_withheld": withheld,
         "collectives": [
             {
                 "kind": c.kind,
@@ -328,6 +336,9 @@ class ScheduleEstimate:
     model, such as a Pallas call; no measurement): `step_us`, the step's
     time, and `exposed_us`, per collective kind, the time the step waits on
     communication that no compute scheduled while it is in flight covers.
+
+    Only for a program without loops: the statistics count a loop's body
+    once (`step_report` withholds them then).
 
     This counts what "behind a GEMM" (`Scheduled`) cannot: a collective
     behind one short GEMM is exposed for the rest of its time, and one

@@ -88,55 +88,17 @@ def _zpp_step(method, model_cfg, mesh, seed):
 
 
 def _jit_step(model_cfg, mesh, seed):
-    """The plain-jit baseline: no library code in the step."""
-    import jax
+    """The plain-jit baseline (`zpp_jax.baseline.JitFSDP`): no library code in the step."""
     import optax
     from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
+    from zpp_jax import JitFSDP
     from zpp_jax.models import GPT
-    from zpp_jax.train import cross_entropy
 
-    n = mesh.size
     model = GPT(model_cfg, nnx.Rngs(seed))
     size = _num_params(model)
-    graphdef, params = nnx.split(model, nnx.Param)
-    tx = optax.adamw(1e-3)
-
-    def spec(x):
-        shape = getattr(x, "shape", ())
-        dims = sorted(range(len(shape)), key=lambda i: -shape[i])
-        for i in dims:
-            if shape[i] % n == 0:
-                return NamedSharding(
-                    mesh, P(*[("node", "local") if j == i else None for j in range(len(shape))])
-                )
-        return NamedSharding(mesh, P())
-
-    param_sh = jax.tree.map(spec, params)
-    params = jax.device_put(params, param_sh)
-    opt_state = jax.jit(tx.init)(params)
-    opt_sh = jax.tree.map(spec, opt_state)
-    opt_state = jax.device_put(opt_state, opt_sh)
-    batch_sh = NamedSharding(mesh, P(("node", "local")))
-
-    def loss_fn(params, batch):
-        return cross_entropy(nnx.merge(graphdef, params)(batch["inputs"]), batch["targets"])
-
-    def step(state, batch):
-        params, opt_state = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
-
-    step = jax.jit(
-        step,
-        in_shardings=((param_sh, opt_sh), batch_sh),
-        out_shardings=((param_sh, opt_sh), NamedSharding(mesh, P())),
-        donate_argnums=0,
-    )
-    return step, (params, opt_state), batch_sh, size
+    baseline = JitFSDP(model, optax.adamw(1e-3), mesh)
+    return baseline.train_step, baseline.init(), baseline.batch_sharding(), size
 
 
 def _num_params(model) -> int:

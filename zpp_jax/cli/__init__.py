@@ -233,7 +233,7 @@ def _comm(args) -> int:
     import jax
     from flax import nnx
 
-    from zpp_jax.cli.comm import DEFAULT_CONFIGS, compare
+    from zpp_jax.cli.comm import BASELINES, DEFAULT_CONFIGS, compare
     from zpp_jax.mesh import make_mesh
     from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
 
@@ -249,11 +249,14 @@ def _comm(args) -> int:
         def build():
             return Llama(model, nnx.Rngs(0))
 
-    unknown = set(args.configs) - set(DEFAULT_CONFIGS)
+    known = [*DEFAULT_CONFIGS, *BASELINES]
+    unknown = set(args.configs) - set(known)
     if unknown:
-        raise UsageError(f"unknown configs {sorted(unknown)}; choose from {list(DEFAULT_CONFIGS)}")
+        raise UsageError(f"unknown configs {sorted(unknown)}; choose from {known}")
     configs = {
-        name: DEFAULT_CONFIGS[name].replace(persistence_threshold=args.persistence_threshold)
+        name: BASELINES[name]
+        if name in BASELINES
+        else DEFAULT_CONFIGS[name].replace(persistence_threshold=args.persistence_threshold)
         for name in args.configs
     }
     if args.target == "cpu":
@@ -299,7 +302,9 @@ def _comm(args) -> int:
         for r in reports:
             est = r["estimate"]
             if est is None:
-                print(f"  {r['name']:10s}no scheduler statistics")
+                print(
+                    f"  {r['name']:10s}none: {r['estimate_withheld'] or 'no scheduler statistics'}"
+                )
                 continue
             exposed = sum(est["exposed_us"].values())
             kinds = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in est["exposed_us"].items() if v)
@@ -496,13 +501,19 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--nodes", type=int, default=2)
     comm.add_argument("--local", type=int, default=4)
     comm.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
-    comm.add_argument("--configs", nargs="+", default=["zero3", "qwz", "hpz", "qgz", "zeropp"])
+    comm.add_argument(
+        "--configs",
+        nargs="+",
+        default=["zero3", "qwz", "hpz", "qgz", "zeropp"],
+        help="engine configurations (zero3, qwz, hpz, qgz, zeropp, zeropp_ef) and "
+        "baselines (jit: plain jax.jit with FSDP-style shardings)",
+    )
     comm.add_argument(
         "--persistence-threshold",
         type=int,
         default=0,
         help="keep parameters of fewer elements whole on every device, in every "
-        "configuration (ZeroPPConfig.persistence_threshold; default 0: shard all)",
+        "engine configuration (ZeroPPConfig.persistence_threshold; default 0: shard all)",
     )
     comm.add_argument("--json", action="store_true", help="print JSON instead of a table")
     comm.set_defaults(func=_comm)

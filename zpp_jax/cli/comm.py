@@ -9,6 +9,8 @@ nodes. Peak memory per device comes from `memory_analysis()`, next to the
 bytes of the training state one device holds (parameters, optimizer state,
 error-feedback residuals). For a GPU target (compiled, not run: see
 `zpp_jax.aot`) each collective also shows what it is scheduled behind.
+Besides the engine's configurations, "jit" is the baseline a user would
+otherwise write: plain `jax.jit` with FSDP-style shardings (`JitFSDP`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from zpp_jax.baseline import JitFSDP
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.step_report import step_report
 from zpp_jax.train import Trainer
@@ -33,6 +36,8 @@ DEFAULT_CONFIGS = {
     "zeropp": ZeroPPConfig(comm_dtype="bfloat16"),
     "zeropp_ef": ZeroPPConfig(comm_dtype="bfloat16", error_feedback=True),
 }
+# Methods that are not the engine's, compared with it: name -> builder.
+BASELINES = {"jit": JitFSDP}
 
 
 def compare(
@@ -45,14 +50,21 @@ def compare(
 ) -> list[dict]:
     """`step_report` of a language model's training step (AdamW) for each
     configuration (default: ZeRO-3, each technique alone, all three), on
-    token batches of `batch` x `seq_len`. `make_model` may build the model
-    abstractly (``nnx.eval_shape``), as it must for a compile-only mesh
-    (`zpp_jax.aot.target_mesh`)."""
+    token batches of `batch` x `seq_len`. A configuration is a
+    `ZeroPPConfig` (a `Trainer` of the engine) or `JitFSDP` (the plain-jit
+    baseline, reported with ``config`` ``{"baseline": "jit"}``).
+    `make_model` may build the model abstractly (``nnx.eval_shape``), as it
+    must for a compile-only mesh (`zpp_jax.aot.target_mesh`)."""
     configs = DEFAULT_CONFIGS if configs is None else configs
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     reports = []
     for name, cfg in configs.items():
-        trainer = Trainer(make_model(), optax.adamw(1e-3), mesh, cfg, compute_dtype=compute_dtype)
-        report = step_report(trainer, {"inputs": tokens, "targets": tokens})
-        reports.append({"name": name, "config": dataclasses.asdict(cfg), **report})
+        if cfg is JitFSDP:
+            step = JitFSDP(make_model(), optax.adamw(1e-3), mesh, compute_dtype=compute_dtype)
+            described = {"baseline": "jit"}
+        else:
+            step = Trainer(make_model(), optax.adamw(1e-3), mesh, cfg, compute_dtype=compute_dtype)
+            described = dataclasses.asdict(cfg)
+        report = step_report(step, {"inputs": tokens, "targets": tokens})
+        reports.append({"name": name, "config": described, **report})
     return reports

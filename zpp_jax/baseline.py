@@ -1,0 +1,149 @@
+"""The baseline a user would otherwise write: plain `jax.jit` with FSDP-style
+`NamedSharding`s.
+
+`JitFSDP` trains the unmodified model with no engine code in its step:
+every parameter and optimizer-state array is sharded over all devices of the
+(`node`, `local`) mesh along its largest dimension that they divide (else
+replicated), the batch along its leading axis, and XLA's SPMD partitioner
+inserts the collectives (all-gathers of the weights, reduce-scatters of the
+gradients) and, on a GPU, schedules them with the same options the engine
+uses (`zpp_jax.xla_flags`: latency-hiding scheduler, pipelined gathers and
+reductions in layer loops). It has the interface `step_report` reads, so
+`zpp comm` compares it with the engine's methods side by side.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zpp_jax.errors import UsageError
+from zpp_jax.mesh import AXES, mesh_shape
+from zpp_jax.schedule import xla_flags
+from zpp_jax.shard import batch_sharding
+from zpp_jax.train import LossFn, next_token_loss
+
+
+def fsdp_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """FSDP-style sharding of an array of `shape`: its largest dimension that
+    the mesh's device count divides, split over all devices (the first such
+    dimension on a tie); replicated when none is."""
+    n = mesh.size
+    for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
+        if shape[i] % n == 0:
+            return NamedSharding(mesh, P(*[AXES if j == i else None for j in range(len(shape))]))
+    return NamedSharding(mesh, P())
+
+
+class JitFSDP:
+    """``model`` trained by ``optimizer`` under plain `jax.jit`, its state
+    sharded by `fsdp_sharding`.
+
+    The state is ``(params, opt_state, rest)``: the model's `nnx.Param`s, the
+    optimizer's state and the model's other variables (replicated, not
+    trained). ``train_step(state, batch) -> (state, {"loss": ...})`` takes
+    the mean `loss_fn` over the global batch; with `compute_dtype`, the
+    floating parameters are cast to it before the model runs (mixed
+    precision: the partitioner then gathers them in that dtype), the
+    update applied to the fp32 parameters. `model` may be abstract
+    (``nnx.eval_shape``), to compile the step for a compile-only mesh
+    (`zpp_jax.aot.target_mesh`).
+
+    Costs what FSDP costs: each parameter is all-gathered in the forward
+    pass and, unless XLA keeps the gathered copy, again in the backward
+    pass; its gradient is reduce-scattered; XLA decides what is kept.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        optimizer: optax.GradientTransformation,
+        mesh: Mesh,
+        *,
+        loss_fn: LossFn = next_token_loss,
+        compute_dtype=None,
+    ) -> None:
+        mesh_shape(mesh)
+        if compute_dtype is not None and not jnp.issubdtype(compute_dtype, jnp.floating):
+            raise UsageError(f"compute_dtype must be a floating dtype, got {compute_dtype!r}")
+        self.mesh = mesh
+        self.compute_dtype = compute_dtype
+        self._graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+        opt_state = jax.eval_shape(optimizer.init, params)
+        self._shardings = (
+            jax.tree.map(lambda a: fsdp_sharding(mesh, a.shape), params),
+            jax.tree.map(lambda a: fsdp_sharding(mesh, jnp.shape(a)), opt_state),
+            jax.tree.map(lambda a: NamedSharding(mesh, P()), rest),
+        )
+        self._abstract = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype, sharding=s),
+            (params, opt_state, rest),
+            self._shardings,
+        )
+        if not self.abstract:
+            self._values = (params, rest)
+        self._optimizer, self._loss_fn = optimizer, loss_fn
+        self.compiler_options = xla_flags(mesh)
+        self.train_step = jax.jit(
+            self._train_step,
+            in_shardings=(self._shardings, batch_sharding(mesh)),
+            out_shardings=(self._shardings, NamedSharding(mesh, P())),
+            donate_argnums=0,
+            compiler_options=self.compiler_options or None,
+        )
+
+    def init(self) -> tuple:
+        """The sharded state at step 0 (a concrete model only)."""
+        if self.abstract:
+            raise UsageError(
+                "this JitFSDP was built on an abstract model (nnx.eval_shape): compile its "
+                "step with compile_step(batch), or build the model itself to train it"
+            )
+        params, rest = self._values
+        params_sh, opt_sh, rest_sh = self._shardings
+        params = jax.device_put(params, params_sh)
+        opt_state = jax.jit(self._optimizer.init, out_shardings=opt_sh)(params)
+        return params, opt_state, jax.device_put(rest, rest_sh)
+
+    def batch_sharding(self) -> NamedSharding:
+        """Sharding for batch arrays: the leading (batch) axis over every device."""
+        return batch_sharding(self.mesh)
+
+    def abstract_state(self) -> tuple:
+        """Shapes, dtypes and shardings of the state."""
+        return self._abstract
+
+    def compile_step(self, batch: dict, compiler_options: dict | None = None):
+        """`train_step` compiled (not run) for a batch of `batch`'s shapes and
+        dtypes; `compiler_options` replace `compiler_options` for this
+        compile (as `zpp.Trainer.compile_step`)."""
+        sharding = self.batch_sharding()
+        batch = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), batch
+        )
+        lowered = self.train_step.lower(self.abstract_state(), batch)
+        if compiler_options is None:
+            return lowered.compile()
+        return lowered.compile(compiler_options=compiler_options)
+
+    def _train_step(self, state: tuple, batch: dict) -> tuple[tuple, dict[str, Any]]:
+        params, opt_state, rest = state
+
+        def loss(params):
+            if self.compute_dtype is not None:
+                params = jax.tree.map(self._cast, params)
+            return self._loss_fn(nnx.merge(self._graphdef, params, rest), batch)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = self._optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, rest), {"loss": value}
+
+    def _cast(self, x: jax.Array) -> jax.Array:
+        return x.astype(self.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
