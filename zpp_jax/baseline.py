@@ -27,7 +27,7 @@ from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.schedule import xla_flags
 from zpp_jax.shard import batch_sharding
-from zpp_jax.train import LossFn, next_token_loss
+from zpp_jax.train import LossFn, compile_for_batch, next_token_loss
 
 
 def fsdp_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
@@ -77,9 +77,13 @@ class JitFSDP:
         self._graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
         opt_state = jax.eval_shape(optimizer.init, params)
+
+        def shard(a):
+            return fsdp_sharding(mesh, jnp.shape(a))
+
         self._shardings = (
-            jax.tree.map(lambda a: fsdp_sharding(mesh, a.shape), params),
-            jax.tree.map(lambda a: fsdp_sharding(mesh, jnp.shape(a)), opt_state),
+            jax.tree.map(shard, params),
+            jax.tree.map(shard, opt_state),
             jax.tree.map(lambda a: NamedSharding(mesh, P()), rest),
         )
         self._abstract = jax.tree.map(
@@ -124,14 +128,9 @@ class JitFSDP:
         """`train_step` compiled (not run) for a batch of `batch`'s shapes and
         dtypes; `compiler_options` replace `compiler_options` for this
         compile (as `zpp.Trainer.compile_step`)."""
-        sharding = self.batch_sharding()
-        batch = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), batch
+        return compile_for_batch(
+            self.train_step, self.abstract_state(), batch, self.batch_sharding(), compiler_options
         )
-        lowered = self.train_step.lower(self.abstract_state(), batch)
-        if compiler_options is None:
-            return lowered.compile()
-        return lowered.compile(compiler_options=compiler_options)
 
     def _train_step(self, state: tuple, batch: dict) -> tuple[tuple, dict[str, Any]]:
         params, opt_state, rest = state

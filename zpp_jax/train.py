@@ -58,6 +58,20 @@ def next_token_loss(model: nnx.Module, batch: dict) -> jax.Array:
     return cross_entropy(model(batch["inputs"]), batch["targets"])
 
 
+def compile_for_batch(
+    step, state, batch: dict, sharding: NamedSharding, compiler_options: dict | None = None
+):
+    """``step(state, batch)`` (a `jax.jit` function) compiled, not run, for
+    `state` (shape/dtype structs with shardings) and a batch of `batch`'s
+    shapes and dtypes laid out as `sharding`; `compiler_options`, if given,
+    replace the ones `step` was jitted with."""
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), batch)
+    lowered = step.lower(state, batch)
+    if compiler_options is None:
+        return lowered.compile()
+    return lowered.compile(compiler_options=compiler_options)
+
+
 class Trainer:
     """Compiled training and evaluation steps for one model, optimizer, mesh
     and configuration.
@@ -155,13 +169,9 @@ class Trainer:
         optimized, scheduled program and ``memory_analysis()`` its memory.
         `compiler_options` replace the engine's own (`zpp.xla_flags`) for
         this compile."""
-        batch = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.batch_sharding()), batch
+        return compile_for_batch(
+            self.train_step, self.abstract_state(), batch, self.batch_sharding(), compiler_options
         )
-        lowered = self.train_step.lower(self.abstract_state(), batch)
-        if compiler_options is None:
-            return lowered.compile()
-        return lowered.compile(compiler_options=compiler_options)
 
     def model(self, state: nnx.State) -> nnx.Module:
         """The sharded model with `state`'s arrays (use it under `jax.jit`,
