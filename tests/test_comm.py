@@ -88,12 +88,13 @@ def test_zeropp_matches_the_analytic_count(mesh):
 
 
 def test_cli_json(capsys):
-    assert main(["comm", "--json", "--configs", "zero3", "zeropp", "--seq", "16"]) == 0
+    assert main(["comm", "--json", "--configs", "zero3", "zeropp", "jit", "--seq", "16"]) == 0
     out = json.loads(capsys.readouterr().out)
     names = [c["name"] for c in out["configs"]]
-    assert names == ["zero3", "zeropp"]
-    z3, zpp = out["configs"]
+    assert names == ["zero3", "zeropp", "jit"]
+    z3, zpp, jit = out["configs"]
     assert zpp["cross_node_bytes"] * 4 <= z3["cross_node_bytes"]
+    assert jit["config"] == {"baseline": "jit"} and z3["config"]["quantize_weights"] is False
     for c in out["configs"]:
         assert c["peak_memory_bytes"] > 0 and c["collectives"]
         assert {"kind", "dtypes", "bytes", "replica_groups", "runs", "spans_nodes"} <= set(

@@ -86,7 +86,7 @@ class JitFSDP:
             jax.tree.map(shard, opt_state),
             jax.tree.map(lambda a: NamedSharding(mesh, P()), rest),
         )
-        self._abstract = jax.tree.map(
+        self._abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype, sharding=s),
             (params, opt_state, rest),
             self._shardings,
@@ -122,7 +122,7 @@ class JitFSDP:
 
     def abstract_state(self) -> tuple:
         """Shapes, dtypes and shardings of the state."""
-        return self._abstract
+        return self._abstract_state
 
     def compile_step(self, batch: dict, compiler_options: dict | None = None):
         """`train_step` compiled (not run) for a batch of `batch`'s shapes and

@@ -51,20 +51,20 @@ def compare(
     """`step_report` of a language model's training step (AdamW) for each
     configuration (default: ZeRO-3, each technique alone, all three), on
     token batches of `batch` x `seq_len`. A configuration is a
-    `ZeroPPConfig` (a `Trainer` of the engine) or `JitFSDP` (the plain-jit
-    baseline, reported with ``config`` ``{"baseline": "jit"}``).
+    `ZeroPPConfig` (a `Trainer` of the engine) or a baseline's builder
+    from `BASELINES` (reported with ``config`` ``{"baseline": name}``).
     `make_model` may build the model abstractly (``nnx.eval_shape``), as it
     must for a compile-only mesh (`zpp_jax.aot.target_mesh`)."""
     configs = DEFAULT_CONFIGS if configs is None else configs
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     reports = []
     for name, cfg in configs.items():
-        if cfg is JitFSDP:
-            step = JitFSDP(make_model(), optax.adamw(1e-3), mesh, compute_dtype=compute_dtype)
-            described = {"baseline": "jit"}
-        else:
+        if isinstance(cfg, ZeroPPConfig):
             step = Trainer(make_model(), optax.adamw(1e-3), mesh, cfg, compute_dtype=compute_dtype)
             described = dataclasses.asdict(cfg)
+        else:  # a baseline's builder (`BASELINES`)
+            step = cfg(make_model(), optax.adamw(1e-3), mesh, compute_dtype=compute_dtype)
+            described = {"baseline": name}
         report = step_report(step, {"inputs": tokens, "targets": tokens})
         reports.append({"name": name, "config": described, **report})
     return reports
