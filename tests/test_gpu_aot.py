@@ -38,6 +38,8 @@ MODELS = {
     "gpt-125m": (GPTConfig.preset("125m"), 8),
     "llama-7b": (LlamaConfig.preset("7b", seq_len=2048), 8),
 }
+# The same GPT at depths the engine was not tuned on (the preset has 18).
+DEPTHS = {f"gpt-{n}-layers": (GPTConfig.preset("125m", n_layers=n), 8) for n in (12, 24)}
 CONFIGS = {
     "zero3": ZeroPPConfig.zero3(comm_dtype="bfloat16"),
     "zeropp": ZeroPPConfig(comm_dtype="bfloat16"),
@@ -46,7 +48,7 @@ CONFIGS = {
 
 
 def _model(name):
-    cfg = MODELS[name][0]
+    cfg = {**MODELS, **DEPTHS}[name][0]
     return (GPT if isinstance(cfg, GPTConfig) else Llama)(cfg, nnx.Rngs(0))
 
 
@@ -57,7 +59,7 @@ def _trainer(model, config, mesh, unroll=True):
 
 
 def _batch(model):
-    cfg, batch = MODELS[model]
+    cfg, batch = {**MODELS, **DEPTHS}[model]
     tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len), jnp.int32)
     return {"inputs": tokens, "targets": tokens}
 
@@ -173,14 +175,28 @@ def _share(report, kinds, where=None):
 
 
 # Overlapped share of each role's collectives per step, on the compiled
-# schedule, against the bound of 0.9. The case below the bound is marked as
-# an expected failure: the GPT's qgZ reductions without error feedback
-# (35 of 40). Every layer's two steps run behind matrix multiplies except
-# the last units' at the end of the backward pass, where the embedding's
-# backward pass has none, and the head's small all-to-all, which XLA
-# covers with the kernels before the first layer's re-gather arrives.
+# schedule, against the bound of 0.9, for the two models and for the GPT at
+# depths the engine was not tuned on. The cases below the bound are marked
+# as expected failures:
+# * the GPT's qgZ reductions without error feedback (35 of 40). Every
+#   layer's two steps run behind matrix multiplies except the last units'
+#   at the end of the backward pass, where the embedding's backward pass
+#   has none, and the head's small all-to-all, which XLA covers with the
+#   kernels before the first layer's re-gather arrives;
+# * at 12 and 24 layers the shares move because the scheduler's choices
+#   do: some layers' collectives start after their window's last GEMM,
+#   since XLA costs every Pallas call at a flat 10 us and the kernels there
+#   already cover them. ZeRO++ without error feedback loses weight gathers
+#   too.
 _BELOW_BOUND = {
     ("gpt-125m", "zeropp", "reductions"),
+    ("gpt-12-layers", "zeropp", "gathers"),
+    ("gpt-12-layers", "zeropp", "reductions"),
+    ("gpt-12-layers", "zeropp_ef", "reductions"),
+    ("gpt-12-layers", "zero3", "reductions"),
+    ("gpt-24-layers", "zeropp", "gathers"),
+    ("gpt-24-layers", "zeropp", "reductions"),
+    ("gpt-24-layers", "zero3", "reductions"),
 }
 
 
@@ -195,7 +211,7 @@ _BELOW_BOUND = {
             if (m, c, r) in _BELOW_BOUND
             else (),
         )
-        for m in MODELS
+        for m in [*MODELS, *DEPTHS]
         for c in CONFIGS
         for r in ROLES
     ],
