@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import pallas_kernels as pk
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
-SETTINGS = settings(max_examples=12, deadline=None)
+SETTINGS = settings(max_examples=6, deadline=None)
 # The plain-JAX reference, jitted: one compilation per shape, not per operation.
 ref_quantize = jax.jit(pk.reference.quantize, static_argnums=(1, 2, 3))
 ref_dequantize = jax.jit(pk.reference.dequantize, static_argnums=(1, 2, 3))
