@@ -17,10 +17,11 @@ import optax
 import pytest
 from flax import nnx
 
-from zpp_jax import JitFSDP, Trainer, ZeroPPConfig, make_mesh, step_report
+from zpp_jax import JitFSDP, LinkModel, Trainer, ZeroPPConfig, make_mesh, step_report
 from zpp_jax.aot import TARGET_CONFIG_ENV, has_cuda_plugin, target_config, target_mesh
 from zpp_jax.cli import main
 from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
+from zpp_jax.schedule import collective_costs
 from zpp_jax.step_report import schedule_overlap
 
 pytestmark = pytest.mark.gpu_aot
@@ -347,3 +348,9 @@ def test_scheduled_program_names_every_collective():
     counted = sorted(c.name for c in collectives_in_hlo(text))
     scheduled = sorted(s.name for s in schedule_overlap(text))
     assert counted == scheduled and counted
+    # and the link model prices each of them under the name XLA's
+    # scheduler knows it by
+    profile = collective_costs(text, 4, LinkModel())
+    priced = re.findall(r'name: "([^"]+)"', profile)
+    known = set(re.findall(r'scheduling_name="([^"]+)"', text))
+    assert len(priced) == len(counted) and set(priced) <= known

@@ -3,9 +3,9 @@ errors of compiling for a GPU without what it needs."""
 
 import pytest
 
-from zpp_jax import UsageError, make_mesh, xla_flags
+from zpp_jax import LinkModel, Trainer, UsageError, make_mesh, xla_flags
 from zpp_jax.aot import TARGET_CONFIG_ENV, target_config
-from zpp_jax.schedule import platform, prefetches
+from zpp_jax.schedule import collective_costs, platform, prefetches
 
 
 def test_cpu_mesh_compiles_in_order_with_no_options():
@@ -68,3 +68,59 @@ def test_target_description_errors_name_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv(TARGET_CONFIG_ENV, str(good))
     text = target_config()
     assert "gpu_device_info" in text and "collective_memory_granularity" not in text
+
+
+# Two collectives of a scheduled GPU program, as `compiled.as_text()` prints
+# them: qgZ's all-to-all inside node 0 and 1 (groups of 4), and its permute
+# across the nodes, known to the scheduler by another name.
+_A2A = (
+    "  %a2a = ((u8[4,1000]{1,0}), u8[4,1000]{1,0}) all-to-all-start(%p), "
+    "replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, "
+    'metadata={scheduling_name="all-to-all-start.3"}'
+)
+_PERMUTE = (
+    "  %cp = (u8[2000]{0}, u8[2000]{0}) collective-permute-start(%q), "
+    "source_target_pairs={{0,4},{4,0},{1,5},{5,1},{2,6},{6,2},{3,7},{7,3}}, "
+    'metadata={scheduling_name="collective-permute-start.9"}'
+)
+_HLO = "\n".join(
+    [
+        "ENTRY %main (p: u8[4,1000]) -> u8[2000] {",
+        _A2A,
+        "  %a2a-done = u8[4,1000]{1,0} all-to-all-done(%a2a)",
+        _PERMUTE,
+        "  ROOT %cp-done = u8[2000]{0} collective-permute-done(%cp)",
+        "}",
+    ]
+)
+
+
+def test_collectives_are_costed_on_the_links_they_cross():
+    """The latency profile the scheduler reads: each collective under its
+    scheduling name, at the link model's latency plus one device's bytes
+    (the ring model's) over the link it crosses; nothing else."""
+    links = LinkModel(intra_node_gbps=300.0, cross_node_gbps=50.0, latency_us=20.0)
+    profile = collective_costs(_HLO, 4, links)
+    assert profile.splitlines() == [
+        # 3/4 of 4,000 bytes over NVLink at 300 GB/s
+        'costs { name: "all-to-all-start.3" cost_us: 20.010 }',
+        # 2,000 bytes to the other node at 50 GB/s
+        'costs { name: "collective-permute-start.9" cost_us: 20.040 }',
+    ]
+    assert links.cost_us(50e9 * 1e-6, True) == pytest.approx(21.0)  # 1 us of the NIC
+
+
+@pytest.mark.parametrize("field", ["intra_node_gbps", "cross_node_gbps", "latency_us"])
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "fast", True])
+def test_link_model_refuses_what_is_not_a_positive_number(field, bad):
+    with pytest.raises(UsageError, match=f"LinkModel.{field} must be a positive number"):
+        LinkModel(**{field: bad})
+
+
+def test_a_trainer_takes_a_link_model_or_none(mesh24):
+    import optax
+    from flax import nnx
+
+    model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    with pytest.raises(UsageError, match="links must be a zpp.LinkModel or None"):
+        Trainer(model, optax.sgd(0.1), mesh24, links={"cross_node_gbps": 50})

@@ -60,6 +60,7 @@ _EXPORTS = {
     "default_linen_units": "zpp_jax.shard_linen",
     "shard_linen": "zpp_jax.shard_linen",
     "xla_flags": "zpp_jax.schedule",
+    "LinkModel": "zpp_jax.schedule",
     "ScheduleEstimate": "zpp_jax.step_report",
     "schedule_estimate": "zpp_jax.step_report",
     "schedule_overlap": "zpp_jax.step_report",

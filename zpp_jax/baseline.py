@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, mesh_shape
-from zpp_jax.schedule import xla_flags
+from zpp_jax.schedule import DEFAULT_LINKS, LinkModel, xla_flags
 from zpp_jax.shard import batch_sharding
 from zpp_jax.train import LossFn, compile_for_batch, next_token_loss
 
@@ -68,8 +68,12 @@ class JitFSDP:
         *,
         loss_fn: LossFn = next_token_loss,
         compute_dtype=None,
+        links: LinkModel | None = DEFAULT_LINKS,
     ) -> None:
         mesh_shape(mesh)
+        if links is not None and not isinstance(links, LinkModel):
+            raise UsageError(f"links must be a zpp.LinkModel or None, got {links!r}")
+        self.links = links
         if compute_dtype is not None and not jnp.issubdtype(compute_dtype, jnp.floating):
             raise UsageError(f"compute_dtype must be a floating dtype, got {compute_dtype!r}")
         self.mesh = mesh
@@ -127,9 +131,16 @@ class JitFSDP:
     def compile_step(self, batch: dict, compiler_options: dict | None = None):
         """`train_step` compiled (not run) for a batch of `batch`'s shapes and
         dtypes; `compiler_options` replace `compiler_options` for this
-        compile (as `zpp.Trainer.compile_step`)."""
+        compile, and on a GPU mesh the collectives are costed on `links`
+        (as `zpp.Trainer.compile_step`)."""
+        options = self.compiler_options if compiler_options is None else compiler_options
         return compile_for_batch(
-            self.train_step, self.abstract_state(), batch, self.batch_sharding(), compiler_options
+            self.train_step,
+            self.abstract_state(),
+            batch,
+            self.batch_sharding(),
+            options,
+            self.links,
         )
 
     def _train_step(self, state: tuple, batch: dict) -> tuple[tuple, dict[str, Any]]:

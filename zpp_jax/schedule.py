@@ -9,6 +9,11 @@ for whether its sharded units let their gathers run ahead (`prefetch`):
   all-gather one iteration ahead (the next layer's gather behind this
   layer's compute) and its reductions one iteration behind. The units
   prefetch: their gathers wait for nothing but the shard.
+* XLA's scheduler gives every asynchronous collective the same latency
+  (its approximate estimator), whatever its bytes and whichever links it
+  crosses. `compile_with_links` compiles
+  a step once more with a latency profile that prices each collective on
+  the links it crosses (`LinkModel`), as `Trainer.compile_step` does.
 * XLA:CPU runs a program in order and its collectives synchronously: no
   options, and the units tie each gather to the layer's input so that no
   more than about two layers' full weights are ever alive.
@@ -16,7 +21,16 @@ for whether its sharded units let their gathers run ahead (`prefetch`):
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import tempfile
+
 from jax.sharding import Mesh
+
+from zpp_jax.errors import UsageError
 
 _GPU_OPTIONS = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
@@ -82,3 +96,107 @@ def xla_flags(mesh_or_platform: Mesh | str, unrolled: bool = False) -> dict:
     if name not in _GPU_PLATFORMS:
         return {}
     return {**_GPU_OPTIONS, **(_UNROLLED_GPU_OPTIONS if unrolled else {})}
+
+
+# -- what each collective costs on the links it crosses ---------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkModel:
+    """The links of a GPU cluster as the engine describes them to XLA's
+    latency-hiding scheduler, which otherwise gives every collective the
+    same latency: a gradient step across the nodes' NICs looks as short as
+    a small one over NVLink, and the scheduler may close it behind a few
+    small kernels instead of a matrix multiply.
+
+    intra_node_gbps: GB/s one GPU sends to the other GPUs of its node
+      (NVLink; an H200 has 450 GB/s each way).
+    cross_node_gbps: GB/s one GPU sends to other nodes (its share of the
+      NICs; one 400 Gb/s NIC per GPU is 50 GB/s).
+    latency_us: the fixed cost of one collective (launch and one exchange
+      over its group), whatever its size.
+
+    A collective then costs ``latency_us + bytes sent / bandwidth`` (the
+    bytes of `zpp_jax.step_report.Collective.moved_bytes`, one device's
+    share by the ring model); the scheduler keeps its own estimate of
+    every kernel.
+    """
+
+    intra_node_gbps: float = 400.0
+    cross_node_gbps: float = 45.0
+    latency_us: float = 25.0
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value) or value <= 0:
+                raise UsageError(f"LinkModel.{field.name} must be a positive number, got {value!r}")
+
+    def cost_us(self, moved_bytes: float, spans_nodes: bool) -> float:
+        """Microseconds one collective sending `moved_bytes` per device takes."""
+        gbps = self.cross_node_gbps if spans_nodes else self.intra_node_gbps
+        return self.latency_us + moved_bytes / (gbps * 1e3)
+
+
+# An H200 node of 8 GPUs, one 400 Gb/s NIC per GPU.
+DEFAULT_LINKS = LinkModel()
+
+
+def collective_costs(hlo_text: str, local: int, links: LinkModel) -> str:
+    """A latency profile (XLA's ``ProfiledInstructionsProto``, text format)
+    with the cost `links` gives each asynchronous collective of `hlo_text`
+    (a program compiled for a mesh with `local` devices per node), under
+    the names XLA's scheduler knows it by; nothing else is priced."""
+    from zpp_jax.step_report import collectives_in_hlo, scheduling_names
+
+    names = scheduling_names(hlo_text)
+    lines = []
+    for c in collectives_in_hlo(hlo_text):
+        cost = links.cost_us(c.moved_bytes, c.spans_nodes(local))
+        lines.append(f'costs {{ name: "{names.get(c.name, c.name)}" cost_us: {cost:.3f} }}')
+    return "\n".join(lines) + "\n"
+
+
+# The option that points XLA:GPU's scheduler at a latency profile.
+_PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
+
+
+def compile_with_links(lowered, options: dict, local: int, links: LinkModel | None):
+    """`lowered` compiled with `options`; on a GPU, with `links`, twice: once
+    to learn the program's collectives, and once scheduled with their costs
+    (`collective_costs`). Both compiles see the same program, so the second
+    schedules the instructions the first named. Costs a second compile."""
+    first = lowered.compile(compiler_options=options or None)
+    if links is None or not options.get("xla_gpu_enable_latency_hiding_scheduler"):
+        return first
+    profile = collective_costs(first.as_text(), local, links)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "links.pbtxt")
+        with open(path, "w") as f:
+            f.write(profile)
+        with _without_profile_log():
+            return lowered.compile(compiler_options={**options, _PROFILE_OPTION: path})
+
+
+@contextlib.contextmanager
+def _without_profile_log():
+    """The process's stderr with the lines of XLA's profile reader left out:
+    it names every instruction the profile does not price (all but the
+    collectives, thousands per program). Everything else is written on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            log.seek(0)
+            kept = [x for x in log.read().splitlines(True) if _PROFILE_LOG not in x]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
+_PROFILE_LOG = b"profile_guided_latency_estimator"

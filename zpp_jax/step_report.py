@@ -99,6 +99,20 @@ class Collective:
         return len(self.groups[0]) if self.groups else 0
 
 
+_SCHEDULING_NAME = re.compile(r'scheduling_name="(?P<name>[^"]+)"')
+
+
+def scheduling_names(hlo_text: str) -> dict[str, str]:
+    """Each instruction's name as XLA's scheduler knew it (its
+    ``scheduling_name``), by its name in `hlo_text`, where they differ."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m, s = _NAME.match(line), _SCHEDULING_NAME.search(line)
+        if m and s and s.group("name") != m.group("name"):
+            out[m.group("name")] = s.group("name")
+    return out
+
+
 def collectives_in_hlo(hlo_text: str) -> list[Collective]:
     """Every collective instruction in compiled HLO text, in text order.
 

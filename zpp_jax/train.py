@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError, check_positive_finite
 from zpp_jax.mesh import AXES, mesh_shape
-from zpp_jax.schedule import xla_flags
+from zpp_jax.schedule import DEFAULT_LINKS, LinkModel, compile_with_links, xla_flags
 from zpp_jax.shard import (
     Policy,
     batch_sharding,
@@ -59,17 +59,21 @@ def next_token_loss(model: nnx.Module, batch: dict) -> jax.Array:
 
 
 def compile_for_batch(
-    step, state, batch: dict, sharding: NamedSharding, compiler_options: dict | None = None
+    step,
+    state,
+    batch: dict,
+    sharding: NamedSharding,
+    compiler_options: dict,
+    links: LinkModel | None = None,
 ):
     """``step(state, batch)`` (a `jax.jit` function) compiled, not run, for
     `state` (shape/dtype structs with shardings) and a batch of `batch`'s
-    shapes and dtypes laid out as `sharding`; `compiler_options`, if given,
-    replace the ones `step` was jitted with."""
+    shapes and dtypes laid out as `sharding`, with `compiler_options`; on a
+    GPU mesh with `links`, scheduled with the collectives' costs on those
+    links (`zpp_jax.schedule.compile_with_links`: two compiles)."""
     batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), batch)
-    lowered = step.lower(state, batch)
-    if compiler_options is None:
-        return lowered.compile()
-    return lowered.compile(compiler_options=compiler_options)
+    local = mesh_shape(sharding.mesh)[1]
+    return compile_with_links(step.lower(state, batch), compiler_options, local, links)
 
 
 class Trainer:
@@ -111,7 +115,11 @@ class Trainer:
         compute_dtype=None,
         grad_accum: int = 1,
         max_grad_norm: float | None = None,
+        links: LinkModel | None = DEFAULT_LINKS,
     ) -> None:
+        if links is not None and not isinstance(links, LinkModel):
+            raise UsageError(f"links must be a zpp.LinkModel or None, got {links!r}")
+        self.links = links
         if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum <= 0:
             raise UsageError(f"grad_accum must be a positive int, got {grad_accum!r}")
         if max_grad_norm is not None:
@@ -168,9 +176,18 @@ class Trainer:
         `batch_sharding`: a `jax.stages.Compiled`, whose ``as_text()`` is the
         optimized, scheduled program and ``memory_analysis()`` its memory.
         `compiler_options` replace the engine's own (`zpp.xla_flags`) for
-        this compile."""
+        this compile. On a GPU mesh the scheduler is given what each
+        collective costs on `links` (`zpp.LinkModel`; None: XLA's own
+        estimate), which takes a second compile; `train_step` called
+        directly is scheduled with XLA's own estimate."""
+        options = self.compiler_options if compiler_options is None else compiler_options
         return compile_for_batch(
-            self.train_step, self.abstract_state(), batch, self.batch_sharding(), compiler_options
+            self.train_step,
+            self.abstract_state(),
+            batch,
+            self.batch_sharding(),
+            options,
+            self.links,
         )
 
     def model(self, state: nnx.State) -> nnx.Module:
