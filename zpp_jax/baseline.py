@@ -133,15 +133,7 @@ class JitFSDP:
         dtypes; `compiler_options` replace `compiler_options` for this
         compile, and on a GPU mesh the collectives are costed on `links`
         (as `zpp.Trainer.compile_step`)."""
-        options = self.compiler_options if compiler_options is None else compiler_options
-        return compile_for_batch(
-            self.train_step,
-            self.abstract_state(),
-            batch,
-            self.batch_sharding(),
-            options,
-            self.links,
-        )
+        return compile_for_batch(self, batch, compiler_options)
 
     def _train_step(self, state: tuple, batch: dict) -> tuple[tuple, dict[str, Any]]:
         params, opt_state, rest = state

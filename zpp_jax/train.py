@@ -58,22 +58,20 @@ def next_token_loss(model: nnx.Module, batch: dict) -> jax.Array:
     return cross_entropy(model(batch["inputs"]), batch["targets"])
 
 
-def compile_for_batch(
-    step,
-    state,
-    batch: dict,
-    sharding: NamedSharding,
-    compiler_options: dict,
-    links: LinkModel | None = None,
-):
-    """``step(state, batch)`` (a `jax.jit` function) compiled, not run, for
-    `state` (shape/dtype structs with shardings) and a batch of `batch`'s
-    shapes and dtypes laid out as `sharding`, with `compiler_options`; on a
-    GPU mesh with `links`, scheduled with the collectives' costs on those
-    links (`zpp_jax.schedule.compile_with_links`: two compiles)."""
+def compile_for_batch(trainer, batch: dict, compiler_options: dict | None = None):
+    """``trainer.train_step`` compiled, not run, for its abstract state and
+    a batch of `batch`'s shapes and dtypes laid out as its batch sharding,
+    with `compiler_options` (default: ``trainer.compiler_options``); on a
+    GPU mesh with ``trainer.links``, scheduled with the collectives' costs
+    on those links (`zpp_jax.schedule.compile_with_links`: two compiles).
+    `trainer`: a `Trainer` or anything with its `train_step`,
+    `abstract_state`, `batch_sharding`, `compiler_options` and `links`
+    (`zpp_jax.JitFSDP`)."""
+    sharding = trainer.batch_sharding()
     batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), batch)
-    local = mesh_shape(sharding.mesh)[1]
-    return compile_with_links(step.lower(state, batch), compiler_options, local, links)
+    options = trainer.compiler_options if compiler_options is None else compiler_options
+    lowered = trainer.train_step.lower(trainer.abstract_state(), batch)
+    return compile_with_links(lowered, options, mesh_shape(sharding.mesh)[1], trainer.links)
 
 
 class Trainer:
@@ -89,6 +87,11 @@ class Trainer:
     `model` is sharded in place (see `zpp.shard`); after `init` the state is
     what counts: the step donates its arrays, and `model(state)` gives a
     module on any state.
+
+    `links` (`zpp.LinkModel`, or None for XLA's own estimate) describes
+    the GPU cluster's links to XLA's scheduler when `compile_step`
+    compiles for a GPU mesh: each collective costed on the links it
+    crosses. It changes the schedule, not the arithmetic.
 
     A model built abstractly (``nnx.eval_shape``) gives an abstract
     trainer (``trainer.abstract`` is True): its state is shapes, dtypes and
@@ -180,15 +183,7 @@ class Trainer:
         collective costs on `links` (`zpp.LinkModel`; None: XLA's own
         estimate), which takes a second compile; `train_step` called
         directly is scheduled with XLA's own estimate."""
-        options = self.compiler_options if compiler_options is None else compiler_options
-        return compile_for_batch(
-            self.train_step,
-            self.abstract_state(),
-            batch,
-            self.batch_sharding(),
-            options,
-            self.links,
-        )
+        return compile_for_batch(self, batch, compiler_options)
 
     def model(self, state: nnx.State) -> nnx.Module:
         """The sharded model with `state`'s arrays (use it under `jax.jit`,
