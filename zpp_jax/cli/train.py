@@ -335,8 +335,10 @@ def build(cfg: RunConfig, log=print) -> Job:
     if position == cfg.steps:  # a resumed run with nothing left to train compiles nothing
         return job
     first = {split: next(job.batches(split, 0, 1)) for split in ("train", "val")}
-    # On GPUs, scheduled with the collectives' costs on the links (`zpp.LinkModel`).
-    job.train_step = trainer.compile_step(first["train"])
+    if isinstance(trainer, Trainer):  # on GPUs, scheduled on `zpp.LinkModel`'s costs
+        job.train_step = trainer.compile_step(first["train"])
+    else:  # a PipelineTrainer: XLA's own estimate
+        job.train_step = trainer.train_step.lower(state, first["train"]).compile()
     job.eval_step = trainer.eval_step.lower(state, first["val"]).compile()
     moved = summarize(job.train_step.as_text(), cfg.local)
     job.cross_node_bytes, job.intra_node_bytes = moved.cross_node_bytes, moved.intra_node_bytes
