@@ -111,9 +111,9 @@ def test_collectives_are_costed_on_the_links_they_cross():
 
 
 @pytest.mark.parametrize("field", ["intra_node_gbps", "cross_node_gbps", "latency_us"])
-@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "fast", True])
-def test_link_model_refuses_what_is_not_a_positive_number(field, bad):
-    with pytest.raises(UsageError, match=f"LinkModel.{field} must be a positive number"):
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "fast", True])
+def test_link_model_refuses_what_is_not_a_positive_finite_number(field, bad):
+    with pytest.raises(UsageError, match=f"LinkModel.{field} must be a positive finite number"):
         LinkModel(**{field: bad})
 
 

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, mesh_shape
-from zpp_jax.schedule import DEFAULT_LINKS, LinkModel, xla_flags
+from zpp_jax.schedule import DEFAULT_LINKS, LinkModel, check_links, xla_flags
 from zpp_jax.shard import batch_sharding
 from zpp_jax.train import LossFn, compile_for_batch, next_token_loss
 
@@ -71,8 +71,7 @@ class JitFSDP:
         links: LinkModel | None = DEFAULT_LINKS,
     ) -> None:
         mesh_shape(mesh)
-        if links is not None and not isinstance(links, LinkModel):
-            raise UsageError(f"links must be a zpp.LinkModel or None, got {links!r}")
+        check_links(links)
         self.links = links
         if compute_dtype is not None and not jnp.issubdtype(compute_dtype, jnp.floating):
             raise UsageError(f"compute_dtype must be a floating dtype, got {compute_dtype!r}")

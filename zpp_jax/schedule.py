@@ -11,9 +11,9 @@ for whether its sharded units let their gathers run ahead (`prefetch`):
   prefetch: their gathers wait for nothing but the shard.
 * XLA's scheduler gives every asynchronous collective the same latency
   (its approximate estimator), whatever its bytes and whichever links it
-  crosses. `compile_with_links` compiles
-  a step once more with a latency profile that prices each collective on
-  the links it crosses (`LinkModel`), as `Trainer.compile_step` does.
+  crosses. `compile_with_links` compiles a step once more with a latency
+  profile that prices each collective on the links it crosses
+  (`LinkModel`), as `Trainer.compile_step` does.
 * XLA:CPU runs a program in order and its collectives synchronously: no
   options, and the units tie each gather to the layer's input so that no
   more than about two layers' full weights are ever alive.
@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import sys
 import tempfile
 
 from jax.sharding import Mesh
 
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import UsageError, check_positive_finite
 
 _GPU_OPTIONS = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
@@ -128,10 +127,7 @@ class LinkModel:
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not ok or not math.isfinite(value) or value <= 0:
-                raise UsageError(f"LinkModel.{field.name} must be a positive number, got {value!r}")
+            check_positive_finite(f"LinkModel.{field.name}", getattr(self, field.name), "number")
 
     def cost_us(self, moved_bytes: float, spans_nodes: bool) -> float:
         """Microseconds one collective sending `moved_bytes` per device takes."""
@@ -141,6 +137,12 @@ class LinkModel:
 
 # An H200 node of 8 GPUs, one 400 Gb/s NIC per GPU.
 DEFAULT_LINKS = LinkModel()
+
+
+def check_links(links) -> None:
+    """Raise UsageError unless `links` is a `LinkModel` or None."""
+    if links is not None and not isinstance(links, LinkModel):
+        raise UsageError(f"links must be a zpp.LinkModel or None, got {links!r}")
 
 
 def collective_costs(hlo_text: str, local: int, links: LinkModel) -> str:

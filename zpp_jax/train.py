@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError, check_positive_finite
 from zpp_jax.mesh import AXES, mesh_shape
-from zpp_jax.schedule import DEFAULT_LINKS, LinkModel, compile_with_links, xla_flags
+from zpp_jax.schedule import DEFAULT_LINKS, LinkModel, check_links, compile_with_links, xla_flags
 from zpp_jax.shard import (
     Policy,
     batch_sharding,
@@ -120,8 +120,7 @@ class Trainer:
         max_grad_norm: float | None = None,
         links: LinkModel | None = DEFAULT_LINKS,
     ) -> None:
-        if links is not None and not isinstance(links, LinkModel):
-            raise UsageError(f"links must be a zpp.LinkModel or None, got {links!r}")
+        check_links(links)
         self.links = links
         if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum <= 0:
             raise UsageError(f"grad_accum must be a positive int, got {grad_accum!r}")
