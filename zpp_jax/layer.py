@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -139,7 +140,9 @@ class ShardedLayer:
             runs two layers ahead.
           * backward: the re-gather waits for the next layer's backward pass
             to start, so it runs behind that pass and at most two layers'
-            full weights are alive; and the input cotangent leaves only once
+            full weights are alive (when the next layer's backward pass is
+            the step's first, it waits for that layer's forward pass, and
+            may also run behind the loss); and the input cotangent leaves only once
             the next layer's gradient reduction has finished, so each
             reduction runs behind the backward pass of the layer before and
             none is left for the end of the step. qgZ's reduction, in two
@@ -520,6 +523,7 @@ def _build(layer: ShardedLayer):
         return layer.fn(params, x), _signal(token, x)
 
     def fwd(shard, residual, x, token):
+        shard, residual, x, token = _values((shard, residual, x, token))
         params, secondary = layer._gather_forward(tied(shard, x, token), token)
         if remat == "full":
             y, kept = layer.fn(params, x), x
@@ -530,6 +534,13 @@ def _build(layer: ShardedLayer):
 
     def bwd(res, cotangents):
         g, g_token = cotangents
+        g = _instantiate(g)
+        # Relayed and no later layer asks for anything (the token's
+        # cotangent is a symbolic zero): this layer's backward pass is the
+        # first, right after the forward pass and the loss.
+        first = isinstance(g_token, SymbolicZero)
+        if first:
+            g_token = jnp.zeros(g_token.shape, g_token.dtype)
         saved, residual, kept = res
         # The re-gather must not be merged with the forward gather (the full
         # weight would stay alive in between). Tied to the cotangent, it
@@ -572,11 +583,43 @@ def _build(layer: ShardedLayer):
             wait, hand_on = done, _ZERO
         else:
             wait, hand_on = _after(node_step, g_token[2:3], apart=True), done
-        started = _after(_ZERO, g)
+        # [0] lets the layer before re-gather its weights. This layer's
+        # backward pass started it once its cotangent arrived; the first
+        # layer of the backward pass starts it once its own forward pass
+        # has run, so that the re-gather can run behind the loss and this
+        # layer's backward pass (it follows its forward pass, with no other
+        # layer's backward pass between them). That also puts the re-gather
+        # and the compute after it where the scheduler, which orders by the
+        # collective latency above each instruction, runs this layer's
+        # reduction behind them.
+        started = _after(_ZERO, kept if first and _floats(kept) else g)
         return shard_grad, new_residual, g_x, jnp.concatenate([started, wait, hand_on])
 
-    apply.defvjp(fwd, bwd)
+    apply.defvjp(fwd, bwd, symbolic_zeros=True)
     return apply
+
+
+def _values(tree):
+    """The primal values of `fwd`'s arguments (``symbolic_zeros=True`` wraps them)."""
+    return jax.tree.map(
+        lambda p: p.value if isinstance(p, CustomVJPPrimal) else p,
+        tree,
+        is_leaf=lambda p: isinstance(p, CustomVJPPrimal),
+    )
+
+
+def _instantiate(tree):
+    """`tree` with its symbolic zeros made arrays of zeros (float0 ones, the
+    cotangents of integer outputs, as numpy arrays, which is what JAX takes)."""
+
+    def zeros(z):
+        if not isinstance(z, SymbolicZero):
+            return z
+        if z.dtype == jax.dtypes.float0:
+            return np.zeros(z.shape, z.dtype)
+        return jnp.zeros(z.shape, z.dtype)
+
+    return jax.tree.map(zeros, tree, is_leaf=lambda z: isinstance(z, SymbolicZero))
 
 
 # A relay token: zeros per device, float32, that exist once some work has
