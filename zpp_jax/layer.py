@@ -142,8 +142,8 @@ class ShardedLayer:
             to start, so it runs behind that pass and at most two layers'
             full weights are alive (when the next layer's backward pass is
             the step's first, it waits for that layer's forward pass, and
-            may also run behind the loss); and the input cotangent leaves only once
-            the next layer's gradient reduction has finished, so each
+            may also run behind the loss); and the input cotangent leaves
+            only once the next layer's gradient reduction has finished, so each
             reduction runs behind the backward pass of the layer before and
             none is left for the end of the step. qgZ's reduction, in two
             steps, is split over two layers: the input cotangent waits for
@@ -533,14 +533,11 @@ def _build(layer: ShardedLayer):
         return (y, _signal(token, x)), (saved, residual, kept)
 
     def bwd(res, cotangents):
-        g, g_token = cotangents
-        g = _instantiate(g)
         # Relayed and no later layer asks for anything (the token's
         # cotangent is a symbolic zero): this layer's backward pass is the
         # first, right after the forward pass and the loss.
-        first = isinstance(g_token, SymbolicZero)
-        if first:
-            g_token = jnp.zeros(g_token.shape, g_token.dtype)
+        first = isinstance(cotangents[1], SymbolicZero)
+        g, g_token = _instantiate(cotangents)
         saved, residual, kept = res
         # The re-gather must not be merged with the forward gather (the full
         # weight would stay alive in between). Tied to the cotangent, it
@@ -583,15 +580,14 @@ def _build(layer: ShardedLayer):
             wait, hand_on = done, _ZERO
         else:
             wait, hand_on = _after(node_step, g_token[2:3], apart=True), done
-        # [0] lets the layer before re-gather its weights. This layer's
-        # backward pass started it once its cotangent arrived; the first
-        # layer of the backward pass starts it once its own forward pass
-        # has run, so that the re-gather can run behind the loss and this
-        # layer's backward pass (it follows its forward pass, with no other
-        # layer's backward pass between them). That also puts the re-gather
-        # and the compute after it where the scheduler, which orders by the
-        # collective latency above each instruction, runs this layer's
-        # reduction behind them.
+        # [0] lets the layer before re-gather its weights. A layer gives it
+        # once its cotangent has arrived; the first layer of the backward
+        # pass gives it once its own forward pass has run, so that the
+        # re-gather can run behind the loss and this layer's backward pass
+        # (it follows its forward pass, with no other layer's backward pass
+        # between them). That also puts the re-gather and the compute after
+        # it where the scheduler, which orders by the collective latency
+        # above each instruction, runs this layer's reduction behind them.
         started = _after(_ZERO, kept if first and _floats(kept) else g)
         return shard_grad, new_residual, g_x, jnp.concatenate([started, wait, hand_on])
 
