@@ -6,10 +6,11 @@ GPU, also the fraction of the device's memory bandwidth (`--peak-gbs`, H200:
 4800 GB/s); on CPU (where the ops run their plain-JAX reference), next to a
 plain copy of the same number of bytes.
 
-    python benchmarks/quant_kernels.py --mib 64 256 1024
+    python benchmarks/quant_kernels.py --mib 64 256 1024 [--json kernels.json]
 """
 
 import argparse
+import json
 import statistics
 import time
 
@@ -24,6 +25,7 @@ parser.add_argument("--mib", type=int, nargs="+", default=[64, 256, 1024])
 parser.add_argument("--repeats", type=int, default=5)
 parser.add_argument("--block", type=int, default=256)
 parser.add_argument("--peak-gbs", type=float, default=4800.0)
+parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
 args = parser.parse_args()
 gpu = jax.default_backend() == "gpu"
 
@@ -43,6 +45,7 @@ print(
     f"{'op':28s}{'MiB':>6s}{'ms':>9s}{'GB/s':>9s}"
     + ("{:>9s}".format("% peak") if gpu else "{:>11s}".format("copy GB/s"))
 )
+rows = []
 for mib in args.mib:
     n = mib * (1 << 20) // 2
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
@@ -84,3 +87,16 @@ for mib in args.mib:
             gbs = nbytes / t / 1e9
             extra = f"{100 * gbs / args.peak_gbs:8.1f}%" if gpu else f"{4 * n / copy_t / 1e9:11.1f}"
             print(f"{name:28s}{mib:6d}{1e3 * t:9.2f}{gbs:9.1f}{extra}", flush=True)
+            rows.append(
+                {
+                    "op": name,
+                    "mib": mib,
+                    "ms": 1e3 * t,
+                    "gbs": gbs,
+                    "copy_gbs": 4 * n / copy_t / 1e9,
+                }
+            )
+if args.json:
+    meta = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind}
+    with open(args.json, "x") as f:
+        json.dump({**meta, "jax": jax.__version__, "peak_gbs": args.peak_gbs, "rows": rows}, f)

@@ -12,14 +12,21 @@ one script that finishes in a few minutes:
    quantization cost) for plain `jax.jit`, ZeRO-3 (bf16 wire), ZeRO++ and
    ZeRO++ with error feedback, side by side.
 
-    python benchmarks/gpu/run.py [--peak-gbs 4800]
+Each part runs even when an earlier one fails (its error is printed and
+recorded), so one call of a short-lived GPU machine returns everything it
+can. With `--json DIR`, the results are also written as JSON files there
+(`gpu.json`, `kernels.json`) for the results pages.
+
+    python benchmarks/gpu/run.py [--peak-gbs 4800] [--json DIR]
 """
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import jax
@@ -41,10 +48,21 @@ parser.add_argument(
     action="store_true",
     help="run without a GPU, to check the script itself (the kernels then run their reference)",
 )
+parser.add_argument("--json", default=None, help="a directory for gpu.json and kernels.json")
 args = parser.parse_args()
 if jax.default_backend() != "gpu" and not args.allow_cpu:
     sys.exit(f"needs a GPU; jax sees {jax.default_backend()}")
 print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "errors": {}}
+
+
+def part(name, fn):
+    """Run one part; on failure print and record the error and go on."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - report every part's failure, run the rest
+        traceback.print_exc()
+        results["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
 
 
 # -- 1. kernels against the reference, bit for bit ----------------------------------
@@ -112,29 +130,36 @@ def kernel_cases(bits, rounding):
     ]
 
 
-failures = 0
-for bits in (8, 4):
-    for rounding in ("nearest", "stochastic"):
-        for name, kernel, reference, xs in kernel_cases(bits, rounding):
-            ok = same(jax.jit(kernel)(*xs), jax.jit(reference)(*xs))
-            failures += not ok
-            print(f"  {name:34s} int{bits} {rounding:10s} {'bit-identical' if ok else 'DIFFERS'}")
-print(f"kernels: {'all bit-identical' if not failures else f'{failures} differ'}")
+def check_kernels():
+    results["kernels"] = []
+    for bits in (8, 4):
+        for rounding in ("nearest", "stochastic"):
+            for name, kernel, reference, xs in kernel_cases(bits, rounding):
+                ok = same(jax.jit(kernel)(*xs), jax.jit(reference)(*xs))
+                results["kernels"].append(
+                    {"op": name, "bits": bits, "rounding": rounding, "bit_identical": ok}
+                )
+                print(
+                    f"  {name:34s} int{bits} {rounding:10s} {'bit-identical' if ok else 'DIFFERS'}"
+                )
+    failures = sum(not k["bit_identical"] for k in results["kernels"])
+    print(f"kernels: {'all bit-identical' if not failures else f'{failures} differ'}")
+
+
+part("kernels", check_kernels)
 
 # -- 2. kernel bandwidth -------------------------------------------------------------
 
 here = Path(__file__).resolve().parents[1]
 mib = ["1"] if args.allow_cpu else ["256", "1024"]
-subprocess.run(
-    [
-        sys.executable,
-        str(here / "quant_kernels.py"),
-        "--mib",
-        *mib,
-        "--peak-gbs",
-        str(args.peak_gbs),
-    ],
-    check=True,
+out = ["--json", str(Path(args.json) / "kernels.json")] if args.json else []
+part(
+    "bandwidth",
+    lambda: subprocess.run(
+        [sys.executable, str(here / "quant_kernels.py"), "--mib", *mib]
+        + ["--peak-gbs", str(args.peak_gbs), *out],
+        check=True,
+    ),
 )
 
 # -- 3. one training step per method, on this GPU ------------------------------------
@@ -176,13 +201,25 @@ methods = {
     "zeropp": zpp.ZeroPPConfig(comm_dtype="bfloat16"),
     "zeropp + error feedback": zpp.ZeroPPConfig(comm_dtype="bfloat16", error_feedback=True),
 }
-times = {"plain jax.jit": plain_jit()}
-for name, config in methods.items():
+times = results["step_s"] = {}
+
+
+def engine_step(config):
     trainer = zpp.Trainer(GPT(cfg, nnx.Rngs(0)), optax.adamw(1e-3), mesh, config)
     placed = jax.device_put(batch, trainer.batch_sharding())
-    times[name] = median_time(trainer.train_step, trainer.init(), placed)
-base = times["plain jax.jit"]
+    return median_time(trainer.train_step, trainer.init(), placed)
+
+
+part("plain jax.jit", lambda: times.__setitem__("plain jax.jit", plain_jit()))
+for name, config in methods.items():
+    part(name, lambda name=name, config=config: times.__setitem__(name, engine_step(config)))
+base = times.get("plain jax.jit", float("nan"))
 print(f"\nGPT {args.model}, batch 8 x {cfg.seq_len}, one GPU, median of {args.steps} steps:")
 for name, t in times.items():
     print(f"  {name:26s}{1e3 * t:9.1f} ms  {t / base:5.2f}x plain jit")
-sys.exit(1 if failures else 0)
+results["model"], results["batch"], results["seq_len"] = args.model, 8, cfg.seq_len
+if args.json:
+    with open(Path(args.json) / "gpu.json", "x") as f:
+        json.dump(results, f, indent=1)
+failed = results["errors"] or not all(k["bit_identical"] for k in results.get("kernels", []))
+sys.exit(1 if failed else 0)
