@@ -48,6 +48,18 @@ parser.add_argument(
     action="store_true",
     help="run without a GPU, to check the script itself (the kernels then run their reference)",
 )
+parser.add_argument(
+    "--parts",
+    nargs="+",
+    default=["kernels", "bandwidth", "steps"],
+    choices=["kernels", "bandwidth", "steps"],
+)
+parser.add_argument(
+    "--no-unroll",
+    action="store_true",
+    help="step the layers as a loop (ZeroPPConfig.unroll_layer_loops=False): the JAX "
+    "versions outside the declared range cannot rewrite loops",
+)
 parser.add_argument("--json", default=None, help="a directory for gpu.json and kernels.json")
 args = parser.parse_args()
 if jax.default_backend() != "gpu" and not args.allow_cpu:
@@ -146,21 +158,23 @@ def check_kernels():
     print(f"kernels: {'all bit-identical' if not failures else f'{failures} differ'}")
 
 
-part("kernels", check_kernels)
+if "kernels" in args.parts:
+    part("kernels", check_kernels)
 
 # -- 2. kernel bandwidth -------------------------------------------------------------
 
 here = Path(__file__).resolve().parents[1]
 mib = ["1"] if args.allow_cpu else ["256", "1024"]
 out = ["--json", str(Path(args.json) / "kernels.json")] if args.json else []
-part(
-    "bandwidth",
-    lambda: subprocess.run(
-        [sys.executable, str(here / "quant_kernels.py"), "--mib", *mib]
-        + ["--peak-gbs", str(args.peak_gbs), *out],
-        check=True,
-    ),
-)
+if "bandwidth" in args.parts:
+    part(
+        "bandwidth",
+        lambda: subprocess.run(
+            [sys.executable, str(here / "quant_kernels.py"), "--mib", *mib]
+            + ["--peak-gbs", str(args.peak_gbs), *out],
+            check=True,
+        ),
+    )
 
 # -- 3. one training step per method, on this GPU ------------------------------------
 
@@ -196,11 +210,15 @@ def plain_jit():
 
 
 mesh = zpp.make_mesh(1, 1)
+loops = {"unroll_layer_loops": not args.no_unroll}
 methods = {
-    "zero3 (bf16 wire)": zpp.ZeroPPConfig.zero3(comm_dtype="bfloat16"),
-    "zeropp": zpp.ZeroPPConfig(comm_dtype="bfloat16"),
-    "zeropp + error feedback": zpp.ZeroPPConfig(comm_dtype="bfloat16", error_feedback=True),
+    "zero3 (bf16 wire)": zpp.ZeroPPConfig.zero3(comm_dtype="bfloat16", **loops),
+    "zeropp": zpp.ZeroPPConfig(comm_dtype="bfloat16", **loops),
+    "zeropp + error feedback": zpp.ZeroPPConfig(
+        comm_dtype="bfloat16", error_feedback=True, **loops
+    ),
 }
+results["unroll_layer_loops"] = loops["unroll_layer_loops"]
 times = results["step_s"] = {}
 
 
@@ -210,9 +228,10 @@ def engine_step(config):
     return median_time(trainer.train_step, trainer.init(), placed)
 
 
-part("plain jax.jit", lambda: times.__setitem__("plain jax.jit", plain_jit()))
-for name, config in methods.items():
-    part(name, lambda name=name, config=config: times.__setitem__(name, engine_step(config)))
+if "steps" in args.parts:
+    part("plain jax.jit", lambda: times.__setitem__("plain jax.jit", plain_jit()))
+    for name, config in methods.items():
+        part(name, lambda name=name, config=config: times.__setitem__(name, engine_step(config)))
 base = times.get("plain jax.jit", float("nan"))
 print(f"\nGPT {args.model}, batch 8 x {cfg.seq_len}, one GPU, median of {args.steps} steps:")
 for name, t in times.items():
