@@ -16,7 +16,12 @@ checkpoint as the latest.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import pathlib
+import shutil
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -26,7 +31,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import SingleDeviceSharding
 
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import OutputError, UsageError
 
 _RESIDUAL = "_zpp_residual"
 
@@ -36,6 +41,65 @@ def _flat(tree: Any) -> dict[str, Any]:
     if isinstance(tree, nnx.State):
         tree = nnx.to_pure_dict(tree)
     return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@contextlib.contextmanager
+def _errors_raised_not_logged() -> Iterator[None]:
+    """Orbax logs a failed save's traceback from each of its threads before
+    raising it (dozens of tracebacks for one full disk); the error raised
+    is reported instead, once."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+class _FailedWriteNoise(logging.Filter):
+    """What a failed save leaves behind after its error is raised: the
+    TensorStore writes still in flight complete into orbax's event loop,
+    already closed, and each raises an unraisable ``RuntimeError: Event
+    loop is closed``; the tasks that failed are logged as "never retrieved"
+    when collected. Dozens of tracebacks, up to the end of the process, for
+    an error already reported. `install` drops exactly those (and nothing
+    else) for the rest of the process; it is idempotent."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Task exception was never retrieved") and "orbax" in message)
+
+    @classmethod
+    def install(cls) -> None:
+        previous = sys.unraisablehook
+        if getattr(previous, "_zpp_failed_write_noise", False):
+            return
+
+        def hook(unraisable) -> None:
+            e = unraisable.exc_value
+            if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+                previous(unraisable)
+
+        hook._zpp_failed_write_noise = True
+        sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(cls())
+
+
+def _cause(e: BaseException) -> str:
+    """What the operating system said under `e` (a full disk, a read-only
+    file system), else the first line of `e`'s message."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return f"{seen.strerror} ({seen.filename})" if seen.filename else seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    text = str(e)
+    for known in ("No space left on device", "Read-only file system", "Permission denied"):
+        if known in text:
+            return known
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return first[:300]
 
 
 class Checkpointer:
@@ -67,14 +131,33 @@ class Checkpointer:
             None,
         )
         meta = {"step": int(step), "mesh": mesh, **meta}
-        self._manager.save(
-            int(step),
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
-        self._manager.wait_until_finished()
+        _FailedWriteNoise.install()  # before: the noise starts while the save fails
+        try:
+            with _errors_raised_not_logged():
+                self._manager.save(
+                    int(step),
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
+                    ),
+                    force=True,
+                )
+                self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - any failure to write is reported the same way
+            with _errors_raised_not_logged(), contextlib.suppress(Exception):
+                self._manager.close()
+            self._discard_unfinished(step)
+            raise OutputError(
+                f"checkpoint {step} could not be written to {self.directory}: {_cause(e)}; "
+                "the checkpoints before it are intact"
+            ) from e
+
+    def _discard_unfinished(self, step: int) -> None:
+        """Delete what a failed save of `step` left (orbax's temporary
+        directory, never renamed into place), so that its space is free
+        again. Process 0 deletes; every process goes on at once."""
+        if jax.process_index() == 0:
+            for partial in self.directory.glob(f"{int(step)}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint, or None."""

@@ -251,3 +251,18 @@ def node_mesh() -> Mesh:
     from zpp_jax.mesh import make_mesh
 
     return make_mesh(jax.process_count(), jax.local_device_count())
+
+
+def max_over_processes(value: int) -> int:
+    """The largest of every process's `value` (an int32), known to all:
+    how processes agree on a flag, such as a stop request, at the same point
+    of their programs. Every process must call it. Costs one all-gather of
+    4 bytes per process; in a single process, nothing."""
+    import jax
+
+    if jax.process_count() == 1:
+        return int(value)
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.int32(value))))

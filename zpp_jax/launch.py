@@ -14,6 +14,10 @@ The launcher prints every process's exit status on a line of its own and
 returns the first failing process's. Its processes die with it: SIGINT and
 SIGTERM are passed on to them, and on Linux each process is also killed when
 the launcher dies for any reason, SIGKILL included (the parent-death signal).
+
+A signal passed on stops `zpp train` after its current step, with a
+checkpoint (`zpp_jax.preemption`): the launcher waits for that and returns
+the processes' status, 128 + the signal's number (143 for SIGTERM).
 """
 
 from __future__ import annotations
@@ -113,7 +117,15 @@ def launch(
         for i in range(nodes)
     ]
 
+    forwarded: list[int] = []
+
     def forward(signum, frame):
+        if not forwarded:
+            _say(
+                f"{signal.Signals(signum).name}: passed to the processes; waiting for them to "
+                "finish their step, save and stop"
+            )
+        forwarded.append(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -121,7 +133,7 @@ def launch(
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     stopped: list[int] = []
     try:
-        return _wait(procs, grace, stopped)
+        return _wait(procs, grace, stopped, forwarded)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
@@ -162,7 +174,12 @@ def _say(message: str) -> None:
     )
 
 
-def _wait(procs: list[subprocess.Popen], grace: float, stopped: list[int]) -> int:
+def _wait(
+    procs: list[subprocess.Popen], grace: float, stopped: list[int], forwarded: list[int]
+) -> int:
+    """Wait for every process; once one fails, the others get `grace`
+    seconds. A process that stops on a signal the launcher passed on
+    (`forwarded`) has not failed: its status is returned all the same."""
     failed_at = None
     status = 0
     while True:
@@ -170,10 +187,11 @@ def _wait(procs: list[subprocess.Popen], grace: float, stopped: list[int]) -> in
         for i, code in enumerate(codes):
             if code not in (None, 0) and failed_at is None:
                 failed_at, status = time.monotonic(), _exit_status(code)
-                _say(
-                    f"process {i} {_describe(code)}; waiting up to {grace:.0f} s for the "
-                    "others to stop"
-                )
+                if not forwarded:
+                    _say(
+                        f"process {i} {_describe(code)}; waiting up to {grace:.0f} s for the "
+                        "others to stop"
+                    )
         if all(c is not None for c in codes):
             return status
         if failed_at is not None and time.monotonic() - failed_at > grace:

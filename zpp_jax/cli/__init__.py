@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import pathlib
+import signal
 import sys
 import time
 
@@ -183,7 +185,7 @@ def _train(args) -> int:
     zero = _config_from_args(args)
     plot = args.plot
     if plot is None and args.metrics:
-        plot = str(args.metrics).rsplit(".", 1)[0] + ".png"
+        plot = _default_plot(args.metrics)
     run(
         RunConfig(
             zero=zero,
@@ -219,6 +221,19 @@ def _train(args) -> int:
         )
     )
     return 0
+
+
+def _default_plot(metrics: str) -> str | None:
+    """The loss plot beside a metrics file, named after it (``run/m.jsonl``:
+    ``run/m.png``); none for a stream (standard output, a pipe)."""
+    from zpp_jax.cli.runs import is_stream
+
+    path = pathlib.Path(metrics)
+    if is_stream(metrics) or not path.name:  # no name: `check_paths` says what is wrong
+        return None
+    return str(
+        path.with_name(path.name + ".png") if path.suffix == ".png" else path.with_suffix(".png")
+    )
 
 
 def _comm(args) -> int:
@@ -645,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
     try:
-        code = args.func(args)
+        code = _call(args)
         if _in_job():
             from zpp_jax.distributed import finish
 
@@ -662,9 +677,29 @@ def main(argv: list[str] | None = None) -> int:
     took = time.perf_counter() - start
     if code == 0:
         print(f"zpp {args.command}: done in {took:.1f} s", file=sys.stderr)
+    elif code > 128:
+        print(f"zpp {args.command}: stopped (status {code}) after {took:.1f} s", file=sys.stderr)
     else:
         print(f"zpp {args.command}: failed with status {code} after {took:.1f} s", file=sys.stderr)
     return code
+
+
+def _call(args) -> int:
+    """Run the subcommand; a run stopped by a signal (`Stopped`, after its
+    checkpoint) returns 128 + the signal's number, and says what it saved."""
+    from zpp_jax.preemption import Stopped
+
+    try:
+        return args.func(args)
+    except Stopped as e:
+        import jax
+
+        if jax.process_index() == 0:  # every process stopped at the same step
+            print(f"zpp {args.command}: {e}", file=sys.stderr)
+        return e.exit_status
+    except KeyboardInterrupt:  # SIGINT before a run could take it as a stop request
+        print(f"zpp {args.command}: interrupted (SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 def _lost_peer(command: str, reason: str) -> None:

@@ -12,22 +12,35 @@
   restores, saying which newer ones it skipped and why; nothing is deleted.
 * `cut_metrics`: on resume, the metrics file is cut back to the checkpoint's
   step before the run appends to it, so no step is recorded twice.
+* `OutputLock`: one run at a time writes a checkpoint directory or a
+  metrics file; a second is refused, naming the first.
+* `MetricsSink`: the records, one whole line each, to a file or a stream
+  (`-`, a pipe, a device), which is never read back, cut or replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import json
 import os
 import pathlib
 import shutil
-from collections.abc import Callable
-from typing import Any
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TextIO
+
+import jax
 
 from zpp_jax.checkpoint import Checkpointer
 from zpp_jax.data.corpus import expand
 from zpp_jax.data.tokenizer import check_spec
-from zpp_jax.errors import UsageError
+from zpp_jax.distributed import max_over_processes
+from zpp_jax.errors import OutputError, UsageError
 
 # RunConfig fields that do not change what is trained: where output goes,
 # how often it is written, the mesh (a checkpoint restores onto another), and
@@ -102,9 +115,14 @@ def check_paths(cfg: Any) -> None:
             if not os.access(path, os.R_OK):
                 raise UsageError(f"{flag} {path}: not readable")
     check_spec(cfg.tokenizer)
-    for flag, path in (("--metrics", cfg.metrics), ("--plot", cfg.plot)):
-        if path:
-            _check_writable_file(flag, pathlib.Path(path))
+    if cfg.metrics and is_stream(cfg.metrics):
+        _check_stream("--metrics", cfg.metrics)
+    elif cfg.metrics:
+        _check_writable_file("--metrics", pathlib.Path(cfg.metrics))
+    if cfg.plot:
+        if is_stream(cfg.plot):
+            raise UsageError(f"--plot {cfg.plot}: a plot is a PNG file; give a file name")
+        _check_writable_file("--plot", pathlib.Path(cfg.plot))
     if cfg.ckpt_dir:
         ckpt = pathlib.Path(cfg.ckpt_dir)
         if ckpt.exists() and not ckpt.is_dir():
@@ -120,6 +138,28 @@ def _check_writable_file(flag: str, path: pathlib.Path) -> None:
             raise UsageError(f"{flag} {path}: not writable")
         return
     _check_creatable(f"{flag} {path}", path.parent)
+
+
+def is_stream(path: str) -> bool:
+    """Whether a `--metrics` path is a stream: ``-`` (standard output), a
+    path under /dev or /proc (``/dev/stdout``, ``/dev/full``), or an
+    existing path that is neither a regular file nor a directory (a FIFO,
+    a socket, a device). A stream is written in order and never read back, cut, renamed over or
+    replaced."""
+    if path == "-":
+        return True
+    given = pathlib.Path(path).absolute()
+    if given.is_dir():
+        return False
+    for p in (given, pathlib.Path(os.path.realpath(given))):
+        if p.parts[1:2] in (("dev",), ("proc",)):
+            return True
+    return given.exists() and not given.is_file()
+
+
+def _check_stream(flag: str, path: str) -> None:
+    if path != "-" and not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {path}: not writable (or does not exist)")
 
 
 def _check_creatable(what: str, directory: pathlib.Path) -> None:
@@ -146,7 +186,7 @@ def claim(cfg: Any, log: Callable[[str], None], delete: bool = True) -> None:
     if cfg.resume:
         return
     steps = Checkpointer.steps_in(cfg.ckpt_dir) if cfg.ckpt_dir else []
-    metrics = pathlib.Path(cfg.metrics) if cfg.metrics else None
+    metrics = metrics_file(cfg.metrics)
     records = _count_lines(metrics) if metrics and metrics.exists() else 0
     held = []
     if steps:
@@ -169,7 +209,17 @@ def claim(cfg: Any, log: Callable[[str], None], delete: bool = True) -> None:
     log(f"--overwrite: deleted {' and '.join(held).replace(' holds ', ' ')}")
 
 
+def metrics_file(path: str | None) -> pathlib.Path | None:
+    """The regular file a `--metrics` path names, its symbolic links
+    followed (so that the link is kept, and its target written); None for
+    no path or a stream."""
+    if not path or is_stream(path):
+        return None
+    return pathlib.Path(os.path.realpath(path))
+
+
 def _count_lines(path: pathlib.Path) -> int:
+    """Non-empty lines of a regular file (read in chunks: bounded memory)."""
     with open(path, "rb") as f:
         return sum(1 for line in f if line.strip())
 
@@ -249,18 +299,203 @@ def _brief(e: Exception) -> str:
 def cut_metrics(path: str | None, step: int) -> None:
     """Drop the records after `step` from the metrics file at `path` (those
     of steps that a resumed run repeats); a record cut short by a crash is
-    dropped too. Rewrites the file atomically."""
-    if not path or not pathlib.Path(path).exists():
+    dropped too. Rewrites the file atomically, line by line (bounded
+    memory); a symbolic link is kept and its target rewritten. A stream is
+    left alone: it is never read back."""
+    file = metrics_file(path)
+    if file is None or not file.exists() or _records_up_to(file, step):
         return
-    kept = []
-    with open(path) as f:
+    tmp = file.with_name(f"{file.name}.tmp")
+    try:
+        with open(file) as src, open(tmp, "w") as dst:
+            for line in src:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if record.get("step", 0) <= step:
+                    dst.write(json.dumps(record) + "\n")
+        os.replace(tmp, file)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"--metrics {path}: could not cut it back to step {step}: {e}") from None
+
+
+def _records_up_to(file: pathlib.Path, step: int) -> bool:
+    """Whether every line of `file` is a whole record of a step <= `step`
+    (then there is nothing to cut)."""
+    with open(file) as f:
         for line in f:
             try:
-                record = json.loads(line)
+                if json.loads(line).get("step", 0) > step:
+                    return False
             except json.JSONDecodeError:
-                continue
-            if record.get("step", 0) <= step:
-                kept.append(json.dumps(record))
-    tmp = pathlib.Path(f"{path}.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+                return False
+    return True
+
+
+# -- one writer per run -------------------------------------------------------------
+
+
+class OutputLock:
+    """Exclusive use of a run's checkpoint directory and metrics file, for
+    as long as the lock is held (`release`, or the end of the process).
+
+    An advisory lock (``flock``) on a small file: ``.zpp-lock`` inside the
+    checkpoint directory, ``.<name>.zpp-lock`` beside the metrics file,
+    which holds who took it. The kernel drops the lock when its process
+    ends, however it ends, so a crashed run never leaves a stale lock. A
+    stream (`is_stream`) is not locked. Costs two open files."""
+
+    def __init__(self, cfg: Any) -> None:
+        """Take the locks of `cfg.ckpt_dir` and `cfg.metrics`.
+
+        Raises:
+          OutputError: another process holds one; the message names it.
+        """
+        self._fds: list[int] = []
+        targets = []
+        if cfg.ckpt_dir:
+            ckpt = pathlib.Path(cfg.ckpt_dir).absolute()
+            targets.append((f"--ckpt-dir {cfg.ckpt_dir}", ckpt / ".zpp-lock"))
+        metrics = metrics_file(cfg.metrics)
+        if metrics is not None:
+            targets.append(
+                (f"--metrics {cfg.metrics}", metrics.with_name(f".{metrics.name}.zpp-lock"))
+            )
+        try:
+            for what, lock_file in targets:
+                self._fds.append(_take_lock(what, lock_file))
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        for fd in self._fds:
+            os.close(fd)  # closing the file drops its lock
+        self._fds.clear()
+
+    def __enter__(self) -> OutputLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+@contextlib.contextmanager
+def hold_outputs(cfg: Any) -> Iterator[None]:
+    """Hold `cfg`'s outputs (`OutputLock`) for the `with` block. In a
+    multi-process job process 0 takes the lock and every process learns
+    whether it could: all go on, or all raise.
+
+    Raises:
+      OutputError: the outputs are in use by another run (process 0's
+        message names it; the other processes' say to read it).
+    """
+    lock, error = None, None
+    if jax.process_index() == 0:
+        try:
+            lock = OutputLock(cfg)
+        except OutputError as e:
+            error = e
+    try:
+        if max_over_processes(error is not None):
+            raise error or OutputError(
+                "process 0 could not take this run's outputs (its error says why)"
+            )
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _take_lock(what: str, lock_file: pathlib.Path) -> int:
+    """The open, locked `lock_file` (made with its directory if need be),
+    with this process written into it as the holder."""
+    try:
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise OutputError(f"{what}: cannot create its lock file {lock_file}: {e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 1000).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise OutputError(
+            f"{what} is in use by {holder}; wait for that run to end (or stop it), or "
+            "choose another path"
+        ) from None
+    command = " ".join(["zpp", *sys.argv[1:]])[:300]
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    os.ftruncate(fd, 0)
+    os.pwrite(
+        fd,
+        f"process {os.getpid()} on {socket.gethostname()} ({command}), since {since}".encode(),
+        0,
+    )
+    return fd
+
+
+# -- metrics records ----------------------------------------------------------------
+
+
+class MetricsSink:
+    """Where a run's records go, one JSON line each, flushed line by line.
+
+    A regular file is appended to, and a write that fails part-way (a full
+    disk) is cut back, so the file never ends in half a line. A stream
+    (`is_stream`: standard output for ``-``) is only ever written.
+
+    Raises `OutputError` (from `write`) when a record cannot be written,
+    naming the path and the cause."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._stream: TextIO | None = None
+        self._fd: int | None = None
+        try:
+            if path == "-":
+                self._stream = sys.stdout
+            elif is_stream(path):
+                self._stream = open(path, "a")  # noqa: SIM115 - held for the run
+            else:
+                file = metrics_file(path)
+                file.parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OutputError(f"--metrics {path}: cannot open it: {e.strerror or e}") from None
+
+    def write(self, line: str) -> None:
+        try:
+            if self._stream is not None:
+                self._stream.write(line + "\n")
+                self._stream.flush()
+            else:
+                self._append((line + "\n").encode())
+        except OSError as e:
+            raise OutputError(
+                f"--metrics {self.path}: a record could not be written: {e.strerror or e}; the "
+                "records before it are intact"
+            ) from None
+
+    def _append(self, data: bytes) -> None:
+        """One whole line at the end of the file, or none of it."""
+        size = os.fstat(self._fd).st_size
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):  # a short write: the disk filled up mid-line
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, size)
+            raise
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._stream is not None and self._stream is not sys.stdout:
+            with contextlib.suppress(OSError):
+                self._stream.close()
+        self._stream = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import sys
 import time
@@ -39,6 +40,7 @@ from zpp_jax.data import BatchLoader, TokenDataset, local_rows
 from zpp_jax.errors import UsageError, check_positive_finite, check_positive_ints
 from zpp_jax.mesh import make_mesh
 from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
+from zpp_jax.preemption import Stopped, StopRequest
 from zpp_jax.step_report import summarize
 from zpp_jax.train import Trainer
 
@@ -247,6 +249,7 @@ class Job:
     state: Any
     position: int  # batches consumed: where the run resumes
     identity: dict  # saved with each checkpoint, checked on resume
+    saved_at: int = 0  # the position of the newest checkpoint (0: none)
     train_step: Any = None
     eval_step: Any = None
     slicing: str = ""  # the token pipeline's slices, and how they were chosen
@@ -272,7 +275,8 @@ class Job:
 def build(cfg: RunConfig, log=print) -> Job:
     """Data, model, trainer, checkpointer and state; the steps compiled
     (unless a resumed run has no step left: `Job.train_step` stays None).
-    Paths and outputs are checked before anything is built (see `runs`)."""
+    Paths and outputs are checked before anything is built (see `runs`);
+    `run` holds the outputs' lock (`runs.OutputLock`) around it."""
     runs.check_paths(cfg)
     runs.claim(cfg, log, delete=jax.process_index() == 0)
     text = corpus.load(cfg)
@@ -316,6 +320,7 @@ def build(cfg: RunConfig, log=print) -> Job:
     if state is None:  # a resumed run never initializes a state it would discard
         state = trainer.init()
     job = Job(cfg, model_cfg, data, trainer, checkpointer, state, position, run_identity)
+    job.saved_at = position
     job.slicing = slicing
     job.val_bytes_per_token = corpus.bytes_per_token(data, text.tokenizer)
     rows = local_rows(trainer.batch_sharding(), (cfg.batch, model_cfg.seq_len))
@@ -360,12 +365,16 @@ def _ranges(rows: list[int]) -> str:
 # -- loop -------------------------------------------------------------------------
 
 
-def loop(job: Job) -> Iterator[dict]:
+def loop(job: Job, stop: StopRequest | None = None) -> Iterator[dict]:
     """Train from `job.position` to `cfg.steps`; yields each step's record
     (`step`, `loss`, `grad_norm`, `skipped`, `tokens_per_s`,
     `cross_node_bytes`, `data_wait_s`: the time the step waited for its
     batch, and `val_loss` / `val_bpb` (bits per byte) where evaluated). Checkpoints are
     numbered by data position, which every step advances.
+
+    Before each step it asks `stop` (all processes agree on the answer);
+    once a signal was received it saves a checkpoint of the steps done
+    since the last one and raises `Stopped`.
 
     A step's record is yielded before its checkpoint is saved, so a consumer
     that writes it has it on disk first. A run killed between the two leaves
@@ -376,6 +385,9 @@ def loop(job: Job) -> Iterator[dict]:
     tokens_per_step = cfg.batch * job.model_cfg.seq_len
     batches = job.batches("train", job.position, cfg.steps)
     while job.position < cfg.steps:
+        signum = stop.agreed() if stop is not None else 0
+        if signum:
+            raise Stopped(signum, job.position, _save_on_stop(job))
         start = time.perf_counter()
         batch = next(batches)
         waited = time.perf_counter() - start
@@ -398,9 +410,27 @@ def loop(job: Job) -> Iterator[dict]:
             record["val_bpb"] = corpus.bits_per_byte(record["val_loss"], job.val_bytes_per_token)
         yield record
         if job.checkpointer and ((cfg.ckpt_every and job.position % cfg.ckpt_every == 0) or last):
-            job.checkpointer.save(
-                job.position, job.state, data_position=job.position, identity=job.identity
-            )
+            save(job)
+
+
+def save(job: Job) -> None:
+    """Checkpoint the state at the job's position."""
+    job.checkpointer.save(
+        job.position, job.state, data_position=job.position, identity=job.identity
+    )
+    job.saved_at = job.position
+
+
+def _save_on_stop(job: Job) -> str:
+    """Save the steps done since the last checkpoint; says what was saved."""
+    if job.checkpointer is None:
+        return "no --ckpt-dir, nothing saved"
+    if job.saved_at < job.position:
+        save(job)
+        return f"checkpoint {job.position} saved in {job.cfg.ckpt_dir}; continue with --resume"
+    if job.position:
+        return f"checkpoint {job.position} in {job.cfg.ckpt_dir} is current; continue with --resume"
+    return "no step done, nothing to save"
 
 
 def evaluate(job: Job) -> float:
@@ -413,21 +443,19 @@ def evaluate(job: Job) -> float:
 
 
 class Output:
-    """Metrics file, progress bar and log lines of a run (written by
-    process 0 only), and the loss plot at the end."""
+    """Metrics (`runs.MetricsSink`: a file, or a stream such as stdout),
+    progress bar and log lines of a run (written by process 0 only), and
+    the loss plot at the end (best effort: a failed plot is a warning)."""
 
     def __init__(self, cfg: RunConfig, position: int) -> None:
         self.cfg = cfg
         self.lead = jax.process_index() == 0
-        for path in (cfg.metrics, cfg.plot):
-            if path and self.lead:
-                pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self.file = None
+        self.metrics = None
         if cfg.metrics and self.lead:
             # A new run starts on an empty file (`runs.claim`); a resumed one
             # appends after the records up to its checkpoint.
             runs.cut_metrics(cfg.metrics, position)
-            self.file = open(cfg.metrics, "a")  # noqa: SIM115
+            self.metrics = runs.MetricsSink(cfg.metrics)
         self.bar = None
         if cfg.progress and self.lead:
             from tqdm import tqdm
@@ -438,12 +466,11 @@ class Output:
         if self.cfg.progress and self.lead:
             from tqdm import tqdm
 
-            tqdm.write(message)
+            tqdm.write(message, file=sys.stderr)
 
     def record(self, rec: dict) -> None:
-        if self.file:
-            self.file.write(json_record(rec) + "\n")
-            self.file.flush()
+        if self.metrics:
+            self.metrics.write(json_record(rec))
         if self.bar is not None:
             self.bar.set_postfix(
                 loss=f"{rec['loss']:.4f}",
@@ -452,19 +479,24 @@ class Output:
             )
             self.bar.update(1)
 
-    def close(self, records: list[dict]) -> None:
-        if self.file:
-            self.file.close()
+    def close(self, records: list[dict], finished: bool) -> None:
+        """Close the metrics and the bar; for a `finished` run, log its
+        last losses and draw the plot."""
+        if self.metrics:
+            self.metrics.close()
         if self.bar is not None:
             self.bar.close()
+        if not finished:
+            return
         if records:
             last = records[-1]
-            self.log(
-                f"step {last['step']}: loss {last['loss']:.4f}, "
-                f"val_loss {last.get('val_loss', float('nan')):.4f}"
-            )
+            val = f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else ""
+            self.log(f"step {last['step']}: loss {last['loss']:.4f}{val}")
         if self.cfg.plot and self.lead:
-            plot_losses(self.cfg.metrics, self.cfg.plot, records)
+            try:
+                plot_losses(runs.metrics_file(self.cfg.metrics), self.cfg.plot, records)
+            except OSError as e:
+                _warn(f"warning: --plot {self.cfg.plot} not written: {e.strerror or e}")
 
 
 def json_record(rec: dict) -> str:
@@ -476,16 +508,18 @@ def json_record(rec: dict) -> str:
     return json.dumps(rec, allow_nan=False)
 
 
-def plot_losses(metrics_file: str | None, path: str, records: list[dict]) -> None:
-    """PNG of train and validation loss (all records of `metrics_file` if given)."""
+def plot_losses(metrics_file: pathlib.Path | None, path: str, records: list[dict]) -> None:
+    """PNG of train and validation loss (all records of `metrics_file` if
+    given), written whole or not at all: drawn to a temporary file beside
+    `path`, then renamed over it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if metrics_file and pathlib.Path(metrics_file).exists():
+    if metrics_file and metrics_file.exists():
         with open(metrics_file) as f:
-            records = [json.loads(line) for line in f]
+            records = [json.loads(line) for line in f if line.strip()]
 
     def value(r, key):  # null (non-finite) in the file
         return float("nan") if r[key] is None else r[key]
@@ -499,8 +533,15 @@ def plot_losses(metrics_file: str | None, path: str, records: list[dict]) -> Non
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    target = pathlib.Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        fig.savefig(tmp, dpi=100, format="png")
+        os.replace(tmp, target)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
 
 
 # -- all three ----------------------------------------------------------------------
@@ -514,8 +555,25 @@ def _warn(message: str) -> None:
 
 
 def run(cfg: RunConfig) -> list[dict]:
-    """Train; returns the metrics records (also written to `cfg.metrics`)."""
-    job = build(cfg, log=_warn)
+    """Train; returns the metrics records (also written to `cfg.metrics`).
+
+    The run holds its checkpoint directory and metrics file for itself
+    (`runs.OutputLock`) while it runs. SIGTERM or SIGINT stops it after
+    the current step, with a checkpoint of the steps done (`loop`).
+
+    Raises:
+      UsageError: bad settings or paths, before anything is built.
+      OutputError: an output could not be written (a full disk), or is
+        in use by another run.
+      Stopped: a signal stopped the run (its message says what was saved).
+    """
+    runs.check_paths(cfg)
+    with runs.hold_outputs(cfg), StopRequest() as stop:
+        job = build(cfg, log=_warn)
+        return _train(job, stop)
+
+
+def _train(job: Job, stop: StopRequest) -> list[dict]:
     cfg = job.cfg
     output = Output(cfg, job.position)
     if job.position:
@@ -536,11 +594,12 @@ def run(cfg: RunConfig) -> list[dict]:
     )
     output.log(f"{cfg.arch} {cfg.model}: {params:,} parameters; mesh {mesh}{moved}")
     output.log(f"data: {job.corpus}")
-    records = []
+    records, finished = [], False
     try:
-        for rec in loop(job):
+        for rec in loop(job, stop):
             records.append(rec)
             output.record(rec)
+        finished = True
     finally:
-        output.close(records)
+        output.close(records, finished)
     return records
