@@ -13,7 +13,6 @@ import corpora
 import jax
 import numpy as np
 import pytest
-from stopped_run import copy_stopped_after
 
 from zpp_jax.checkpoint import Checkpointer
 from zpp_jax.cli.train import RunConfig, make_trainer
@@ -117,29 +116,64 @@ def _stop(procs):
 
 
 @pytest.mark.slow
-def test_two_processes_resume_a_stopped_run_and_equal_it(tmp_path):
+def test_two_processes_stopped_by_sigterm_resume_and_equal_one(tmp_path):
     """One process on 2 x 4 devices (qwZ, hpZ, qgZ and error feedback)
     trains on a text of its own with a BPE trained on it (`--tokenizer
-    bpe:300`). Its directory as it was after checkpoint 2 * every is resumed
-    by two processes, `zpp launch --nodes 2 -- train --resume` (the BPE the
-    checkpoints saved, reused), each reading only its half of every batch.
-    The run ends as the one process ended: the same losses up to fp32
-    round-off (so the same global batches), each step recorded once, and the
-    same final state bit for bit (the two processes' last checkpoint,
-    restored in this single process). What a survivor does when its peer
-    is killed: `test_the_survivor_of_a_sigkilled_peer_exits_3`."""
-    steps, every = 6, 2
+    bpe:300`). Two processes, `zpp launch --nodes 2 -- train`, train the
+    same run, each reading only its half of every batch, and the launcher
+    gets SIGTERM (a cluster taking the machines back) once step 2 is
+    recorded: both processes finish the same step, save one checkpoint of
+    it and exit 143, which the launcher returns. `--resume` under
+    `zpp launch` (the BPE the checkpoints saved, reused) ends the run as
+    the one process ended it: each step recorded once, the same losses up
+    to fp32 round-off (so the same global batches), and the same final
+    state bit for bit. What a survivor does when its peer is killed:
+    `test_the_survivor_of_a_sigkilled_peer_exits_3`."""
+    steps = 8
     text = corpora.write(tmp_path / "text")
     args = [*TRAIN, "--data", str(text), "--tokenizer", "bpe:300"]
-    args += ["--steps", str(steps), "--ckpt-every", str(every)]
+    args += ["--steps", str(steps), "--ckpt-every", "1000"]
     one = [*args, "--metrics", str(tmp_path / "one.jsonl"), "--ckpt-dir", str(tmp_path / "c1")]
     single = _zpp(one)
     assert single.returncode == 0, single.stderr[-3000:]
 
     ckpt, metrics = tmp_path / "c2", tmp_path / "two.jsonl"
-    copy_stopped_after(2 * every, tmp_path / "c1", tmp_path / "one.jsonl", ckpt, metrics)
-    two = [*args, "--ckpt-dir", str(ckpt), "--metrics", str(metrics)]
-    resumed = _zpp(["launch", "--nodes", "2", "--", *two, "--resume"])
+    two = [
+        "launch",
+        "--nodes",
+        "2",
+        "--",
+        *args,
+        "--ckpt-dir",
+        str(ckpt),
+        "--metrics",
+        str(metrics),
+    ]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "zpp_jax", *two],
+        env=_single_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert launcher.poll() is None, launcher.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the run never reached step 2"
+            time.sleep(0.02)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=300)
+    finally:
+        launcher.kill()
+    stopped_at = len(metrics.read_text().splitlines())
+    assert launcher.returncode == 143 and stopped_at < steps, err[-3000:]
+    assert "zpp launch: SIGTERM: passed to the processes" in err
+    assert err.count(f"stopped by SIGTERM after step {stopped_at}: checkpoint {stopped_at}") == 1
+    assert "zpp launch: process 0 exited with status 143" in err
+    assert "zpp launch: process 1 exited with status 143" in err
+    assert Checkpointer.steps_in(ckpt) == [stopped_at]
+
+    resumed = _zpp([*two, "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for i, rows in enumerate(("0-3", "4-7")):
         assert f"process {i} of 2 reads rows {rows} of each batch of 8" in resumed.stderr

@@ -5,7 +5,9 @@ checkpoints, metrics files. Runs go through `run` in this process (the
 below), all of one small configuration, so that they share compiled steps."""
 
 import dataclasses
+import errno
 import json
+import os
 import pathlib
 import shutil
 import signal
@@ -16,8 +18,10 @@ import time
 import pytest
 
 from zpp_jax import UsageError
-from zpp_jax.cli.runs import cut_metrics
+from zpp_jax.cli import main
+from zpp_jax.cli.runs import MetricsSink, OutputLock, cut_metrics
 from zpp_jax.cli.train import RunConfig, run
+from zpp_jax.errors import OutputError
 
 # The smallest run: tiny GPT at 16 tokens, 8 sequences, no evaluation.
 BASE = RunConfig(seq_len=16, batch=8, eval_every=0, eval_batches=1, warmup=1, progress=False)
@@ -192,3 +196,178 @@ def test_killed_save_and_damaged_checkpoint_resume_exactly(tmp_path, capfd):
     assert "skipping checkpoint 4, its metadata is damaged" in err
     assert "kept on disk as 4.damaged-2" in err
     assert [r["loss"] for r in _records(metrics)] == want
+
+
+# -- one writer per run --------------------------------------------------------------
+
+
+def test_outputs_in_use_are_refused_naming_the_holder(tmp_path):
+    """A run whose checkpoint directory or metrics file another run holds
+    is refused before it touches either, with the holder named; the lock
+    goes with its holder, however that ends (here a SIGKILLed process)."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    out = dict(ckpt_dir=str(ckpt), metrics=str(metrics), plot=None)
+    (ckpt / "2").mkdir(parents=True)
+    metrics.write_text('{"step": 1}\n{"step": 2}\n')
+    for held in (dict(ckpt_dir=str(ckpt)), dict(metrics=str(metrics))):
+        with OutputLock(dataclasses.replace(BASE, **held)), pytest.raises(OutputError) as refused:
+            _run(steps=4, resume=True, ckpt_every=1, **out)
+        flag = "--ckpt-dir" if "ckpt_dir" in held else "--metrics"
+        assert f"{flag} {held.popitem()[1]} is in use by process {os.getpid()} on" in str(
+            refused.value
+        )
+        assert metrics.read_text() == '{"step": 1}\n{"step": 2}\n'
+        assert sorted(p.name for p in ckpt.iterdir()) == [".zpp-lock", "2"]
+        assert not any((ckpt / "2").iterdir())
+    # Held by a process that is then SIGKILLed: free again.
+    script = (
+        "import sys, time\n"
+        "from zpp_jax.cli.runs import OutputLock\n"
+        "from zpp_jax.cli.train import RunConfig\n"
+        f"lock = OutputLock(RunConfig(ckpt_dir={str(ckpt)!r}))\n"
+        "print('held', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(OutputError, match=f"in use by process {holder.pid} on"):
+            OutputLock(dataclasses.replace(BASE, ckpt_dir=str(ckpt)))
+        holder.kill()
+        holder.wait()
+    finally:
+        holder.kill()
+    OutputLock(dataclasses.replace(BASE, ckpt_dir=str(ckpt))).release()
+
+
+@pytest.mark.slow
+def test_two_runs_started_on_the_same_outputs(tmp_path):
+    """Two `zpp train` on one checkpoint directory and metrics file, as a
+    user started them: the second is refused with one line naming the
+    first, which trains to the end with all its records and checkpoints."""
+    args = ["train", "--quiet", "--seq", "16", "--batch", "8", "--eval-every", "0"]
+    args += ["--steps", "6", "--ckpt-every", "2", "--warmup", "1"]
+    args += ["--ckpt-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl")]
+    cmd = [sys.executable, "-m", "zpp_jax", *args]
+    first = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        lock = tmp_path / "ck" / ".zpp-lock"
+        deadline = time.monotonic() + 120
+        while not (lock.exists() and lock.read_text().startswith("process")):
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert first.wait(timeout=300) == 0, first.stderr.read()[-3000:]
+    finally:
+        first.kill()
+    assert second.returncode == 2
+    err = second.stderr.strip().splitlines()
+    assert len(err) == 1 and f"is in use by process {first.pid} on" in err[0], err
+    assert [r["step"] for r in _records(tmp_path / "m.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert _steps(tmp_path / "ck") == [2, 4, 6]
+
+
+# -- metrics to streams and special files ---------------------------------------------
+
+
+@pytest.mark.slow
+def test_metrics_stream_to_stdout_and_special_files(tmp_path, capfd):
+    """`--metrics -` and `/dev/stdout` put every record on standard output
+    (here captured into a file, as `> out.txt` would) and leave
+    /dev/stdout a symbolic link; `/dev/full` ends at the first record with
+    one line and status 2, reading nothing from the device; a symbolic link
+    to a metrics file is kept, its target written."""
+    args = ["train", "--quiet", "--seq", "16", "--batch", "8", "--eval-every", "0", "--steps", "2"]
+    for target in ("-", "/dev/stdout"):
+        capfd.readouterr()
+        assert main([*args, "--metrics", target]) == 0
+        out = capfd.readouterr().out.splitlines()
+        assert [json.loads(line)["step"] for line in out] == [1, 2]
+    assert os.path.islink("/dev/stdout")
+    assert main([*args, "--metrics", "/dev/full"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [
+        "zpp train: error: --metrics /dev/full: a record could not be written: No space left on "
+        "device; the records before it are intact"
+    ]
+    target, link = tmp_path / "real.jsonl", tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    assert main([*args, "--metrics", str(link)]) == 0
+    assert link.is_symlink() and [r["step"] for r in _records(target)] == [1, 2]
+    assert (tmp_path / "link.png").is_file()  # the plot beside the name given
+
+
+# -- a full disk ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs (a checkpoint of the smallest run is about 1.6 MB)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], check=True)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path, small_disk, capfd):
+    """Checkpoints on a disk that fills at the second one: one line naming
+    the directory and the cause, status 2; the half-written checkpoint is
+    removed, the first is intact and resumes exactly (on a roomier disk).
+    Metrics on a full disk: the file ends in a whole record. A plot that
+    cannot be written is a warning, and the run succeeds."""
+    args = ["train", "--quiet", "--seq", "16", "--batch", "8", "--eval-every", "0", "--warmup", "1"]
+    ckpt, metrics = small_disk / "ck", small_disk / "m.jsonl"
+    run_args = [*args, "--steps", "4", "--ckpt-every", "2", "--plot", str(tmp_path / "p.png")]
+    assert main([*run_args, "--ckpt-dir", str(ckpt), "--metrics", str(metrics)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [
+        f"zpp train: error: checkpoint 4 could not be written to {ckpt}: No space left on "
+        "device; the checkpoints before it are intact"
+    ]
+    assert _steps(ckpt) == [2] and sorted(p.name for p in ckpt.iterdir()) == [".zpp-lock", "2"]
+    assert [r["step"] for r in _records(metrics)] == [1, 2, 3, 4]
+    want = [r["loss"] for r in _records(metrics)]
+    roomy = tmp_path / "ck"
+    shutil.copytree(ckpt, roomy)
+    resumed = tmp_path / "resumed.jsonl"
+    stopped_at_2 = "".join(line + "\n" for line in metrics.read_text().splitlines()[:2])
+    resumed.write_text(stopped_at_2)
+    assert main([*run_args, "--ckpt-dir", str(roomy), "--metrics", str(resumed), "--resume"]) == 0
+    assert [r["loss"] for r in _records(resumed)] == want
+
+    # A record that fills the disk mid-line is cut back: the file ends in a whole record.
+    metrics.unlink()
+    first = json.dumps({"step": 1, "pad": "x" * 3000})
+    metrics.write_text(first + "\n")
+    _fill(small_disk)
+    sink = MetricsSink(str(metrics))
+    with pytest.raises(OutputError, match="a record could not be written: No space left"):
+        sink.write(json.dumps({"step": 2, "pad": "y" * 3000}))
+    sink.close()
+    assert metrics.read_text() == first + "\n"
+    # The plot is best effort: a warning, and the plot there before is kept.
+    (small_disk / "fill").unlink()
+    (small_disk / "p.png").write_bytes(b"an older plot")
+    _fill(small_disk)
+    capfd.readouterr()
+    assert main([*args, "--steps", "1", "--plot", str(small_disk / "p.png")]) == 0
+    err = capfd.readouterr().err
+    assert f"zpp train: warning: --plot {small_disk / 'p.png'} not written: No space left" in err
+    assert (small_disk / "p.png").read_bytes() == b"an older plot"
+    assert not [p.name for p in small_disk.iterdir() if "tmp" in p.name]
+
+
+def _fill(disk):
+    """Write zeros into `disk` until it is full."""
+    with open(disk / "fill", "wb", buffering=0) as f:
+        try:
+            while f.write(b"\0" * 65536):
+                pass
+        except OSError as e:
+            assert e.errno == errno.ENOSPC

@@ -1,5 +1,3 @@
-import sys
+from zpp_jax.cli import entry
 
-from zpp_jax.cli import main
-
-sys.exit(main())
+entry()

@@ -10,6 +10,7 @@ import os
 import pathlib
 import signal
 import sys
+import threading
 import time
 
 from zpp_jax import config as _config
@@ -656,6 +657,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def entry() -> None:
+    """The `zpp` command: `main`, then exit with its status. A command that
+    failed leaves at once, even when a library's thread is still waiting
+    (a failed checkpoint save leaves orbax's writer threads waiting up to
+    300 s for a directory that will never exist)."""
+    code = main()
+    waiting = [
+        t
+        for t in threading.enumerate()
+        if t.is_alive() and not t.daemon and t is not threading.main_thread()
+    ]
+    if code != 0 and waiting:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
@@ -734,4 +753,4 @@ def _first_line(e: Exception) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
