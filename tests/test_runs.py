@@ -371,3 +371,46 @@ def _fill(disk):
                 pass
         except OSError as e:
             assert e.errno == errno.ENOSPC
+
+
+# `zpp train` in a child process whose checkpoint directory cannot be created
+# at `argv[1]` (as a directory turned read-only mid-run would fail it).
+_UNCREATABLE = """
+import sys
+from orbax.checkpoint._src.path import atomicity
+create = atomicity.AtomicRenameTemporaryPath.create
+step = sys.argv[1]
+
+async def refused(self, *args, **kwargs):
+    if self._final_path.name == step:
+        raise PermissionError(13, "Permission denied", str(self._tmp_path))
+    return await create(self, *args, **kwargs)
+
+atomicity.AtomicRenameTemporaryPath.create = refused
+from zpp_jax.cli import entry
+sys.argv = ["zpp", *sys.argv[2:]]
+entry()
+"""
+
+
+@pytest.mark.slow
+def test_a_save_that_cannot_create_its_directory_ends_at_once(tmp_path):
+    """Orbax's writer threads wait 300 s for a step directory that failed
+    to be created; `zpp train` reports the failure in one line and exits
+    with status 2 without waiting for them (the timeout below only catches
+    a hang)."""
+    ckpt = tmp_path / "ck"
+    args = ["train", "--quiet", "--seq", "16", "--batch", "8", "--eval-every", "0"]
+    args += ["--steps", "4", "--ckpt-every", "2", "--ckpt-dir", str(ckpt)]
+    r = subprocess.run(
+        [sys.executable, "-c", _UNCREATABLE, "4", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"zpp train: error: checkpoint 4 could not be written to {ckpt}: Permission denied "
+        f"({ckpt}/4.orbax-checkpoint-tmp); the checkpoints before it are intact"
+    ]
+    assert _steps(ckpt) == [2]
