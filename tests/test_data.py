@@ -1,5 +1,6 @@
 import dataclasses
 import math
+import re
 import shutil
 
 import corpora
@@ -168,7 +169,22 @@ def test_bad_data_is_named(tmp_path):
     np.save(tmp_path / "f.npy", np.zeros(100, np.float32))
     big = tmp_path / "big.bin"
     np.array([1, 2, 300, 4] * 100, np.uint16).tofile(big)
+    small = tmp_path / "small.txt"
+    small.write_text("def f(x):\n    return x + 1\n" * 20)
+    loop = tmp_path / "loop"
+    loop.symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(loop)
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone.txt")
+    binary = tmp_path / "random.bin.txt"
+    binary.write_bytes(np.random.default_rng(0).integers(0, 256, 5000, np.uint8).tobytes())
     cases = [
+        (dict(data=str(loop)), r"loop: a loop of symbolic links, it reaches no file"),
+        (dict(data=str(tmp_path / "dangling")), r"dangling: a symbolic link to .*gone.txt, which"),
+        (
+            dict(data=str(binary), tokenizer="bpe:300"),
+            r"random.bin.txt: 0% of its 5,000 bytes are NUL|random.bin.txt: not UTF-8 text, from "
+            r"byte \d+ .*: --tokenizer bpe:300 reads text; pass --accept-binary",
+        ),
         (dict(data=str(tmp_path / "nope.txt")), r"--data .*nope.txt: no such file or directory"),
         (dict(data=str(empty)), "the directory holds no files"),
         (dict(data=str(tmp_path / "*.zzz")), "the pattern matches no file"),
@@ -177,7 +193,8 @@ def test_bad_data_is_named(tmp_path):
         (dict(data=str(tmp_path / "f.npy")), r"f.npy: a token file is a 1-D array of uint16"),
         (dict(data=str(big)), r"token id 300 at .*big.bin, position 2 is outside the vocabulary"),
         (dict(data=str(big), tokenizer="bpe:500"), "trains on text, and --data"),
-        (dict(tokenizer="bpe:100"), "N must be an integer above 256"),
+        (dict(tokenizer="bpe:100"), "N must be an integer from 257 to 262,144"),
+        (dict(data=str(small), tokenizer="bpe:2000"), r"bytes makes at most \d+ merges; use bpe:N"),
         (dict(tokenizer="nope.json"), "--tokenizer nope.json: no such file"),
         (dict(tokenizer=str(tmp_path / "e.txt")), r"e.txt: not a tokenizers tokenizer.json"),
     ]
@@ -222,3 +239,28 @@ def test_resume_refuses_another_tokenizer(tmp_path):
     assert [r["step"] for r in resumed] == [2]
     for key in ("loss", "grad_norm", "val_loss", "val_bpb"):  # bit for bit
         assert resumed[0][key] == straight[1][key], key
+
+
+def test_data_that_is_not_text_is_named_with_its_offset(tmp_path):
+    """Under the byte tokenizer, bytes that are not text train with a
+    warning naming the file and where the text ends (NULs: how many);
+    --accept-binary silences it. Under a BPE they are refused (above)."""
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\u00e9 au lait\n".encode("latin-1") * 10)
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes(b"abc\0" * 100)
+    for path, want in (
+        (latin, r"latin1.txt: not UTF-8 text, from byte 3 \(b'\\xe9 au'\)"),
+        (nul, r"nul.txt: 25% of its 400 bytes are NUL \(a binary file\?\); training on its bytes"),
+    ):
+        warned = []
+        corpus.load(RunConfig(data=str(path), progress=False), warned.append)
+        assert len(warned) == 1 and re.search(want, warned[0]), warned
+        warned.clear()
+        corpus.load(RunConfig(data=str(path), accept_binary=True, progress=False), warned.append)
+        assert warned == []
+    warned = []
+    text = tmp_path / "utf8.txt"
+    text.write_text("na\u00efve caf\u00e9\n" * 10)
+    corpus.load(RunConfig(data=str(text), progress=False), warned.append)
+    assert warned == []

@@ -21,6 +21,7 @@ from zpp_jax import UsageError
 from zpp_jax.cli import main
 from zpp_jax.cli.runs import MetricsSink, OutputLock, cut_metrics
 from zpp_jax.cli.train import RunConfig, run
+from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import OutputError
 
 # The smallest run: tiny GPT at 16 tokens, 8 sequences, no evaluation.
@@ -414,3 +415,18 @@ def test_a_save_that_cannot_create_its_directory_ends_at_once(tmp_path):
         f"({ckpt}/4.orbax-checkpoint-tmp); the checkpoints before it are intact"
     ]
     assert _steps(ckpt) == [2]
+
+
+@pytest.mark.slow
+def test_resume_on_another_mesh_says_the_residuals_restart(tmp_path, capfd):
+    """Error-feedback residuals are per device: a run resumed on a mesh of
+    another shape restarts them from zero, and says so."""
+    ckpt = str(tmp_path / "ck")
+    zero = ZeroPPConfig(comm_dtype="bfloat16", error_feedback=True)
+    _run(steps=2, ckpt_every=2, ckpt_dir=ckpt, zero=zero)
+    capfd.readouterr()
+    _run(steps=3, ckpt_dir=ckpt, zero=zero, resume=True, nodes=4, local=2)
+    assert (
+        "--resume: checkpoint 2 was saved on a 2 x 4 mesh, this run is on 4 x 2: the "
+        "error-feedback residuals restart from zero" in capfd.readouterr().err
+    )

@@ -600,6 +600,22 @@ def test_bad_input_is_named(mesh24):
     x = jax.device_put(np.zeros((12, 32), np.float32), NamedSharding(mesh24, P()))
     with pytest.raises(ValueError, match="batch of 12 rows.*multiple of 8"):
         nnx.jit(lambda m, x: m(x))(model, x)
+    with pytest.raises(ValueError, match=r"already sharded \(zpp.shard ran on it\).*zpp.unshard"):
+        zpp.shard(model, mesh24)
+    with pytest.raises(ValueError, match="block_size=100,000 is larger than the model's largest"):
+        zpp.shard(family.make(0), mesh24, zpp.ZeroPPConfig(block_size=100_000))
+
+
+def test_a_sharded_model_called_outside_jit_equals_the_model(mesh24):
+    """Called eagerly, each unit compiles its own call: the same outputs
+    as the model it was sharded from (and as under `nnx.jit`)."""
+    family = FAMILIES["mlp_5_widths"]
+    batch = family.batch(0)
+    want = family.make(0)(*_args(batch))
+    model = zpp.shard(family.make(0), mesh24, EXACT)
+    np.testing.assert_allclose(model(*_args(batch)), want, rtol=1e-6, atol=1e-6)
+    jitted = nnx.jit(lambda m, *a: m(*a))(model, *_args(batch))
+    np.testing.assert_allclose(jitted, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("placed", [False, True])

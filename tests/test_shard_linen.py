@@ -140,6 +140,10 @@ def test_bad_input_is_named(mesh24):
     bad = {"params": {**variables["params"], "count": np.zeros((), np.int32)}}
     with pytest.raises(ValueError, match="count has dtype int32"):
         zpp.shard_linen(module, bad, mesh24)
+    with pytest.raises(ValueError, match=r"already sharded \(zpp.shard_linen ran on it\)"):
+        zpp.shard_linen(model, ef, mesh24)
+    with pytest.raises(ValueError, match="gradient_block_size=65,536 is larger than the model's"):
+        zpp.shard_linen(module, variables, mesh24, zpp.ZeroPPConfig(gradient_block_size=65536))
 
 
 def test_error_feedback_residuals_carry_over(mesh24):

@@ -219,9 +219,15 @@ class ZeroPPConfig:
         return dataclasses.replace(self, **changes)
 
 
+# One scale per block: above 2^24 elements a block is one tensor's worth.
+_MAX_BLOCK = 1 << 24
+
+
 def _check_block(name: str, value, int4: bool) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise UsageError(f"{name} must be a positive int, got {value!r}")
+    if value > _MAX_BLOCK:
+        raise UsageError(f"{name} must be at most {_MAX_BLOCK:,} elements, got {value:,}")
     if int4 and value % 2:
         raise UsageError(
             f"{name}={value} is odd, but 4-bit codes are packed two per byte within a "

@@ -40,6 +40,21 @@ ENV_LOCAL_CPU_DEVICES = "ZPP_LOCAL_CPU_DEVICES"
 ENV_HEARTBEAT_TIMEOUT = "ZPP_HEARTBEAT_TIMEOUT"
 ENV_INIT_TIMEOUT = "ZPP_INIT_TIMEOUT"
 
+# XLA:CPU runs the devices of one process on a pool of 256 threads: a
+# collective over more devices waits for threads that never come, and the
+# process aborts after 40 s.
+MAX_CPU_DEVICES = 256
+
+
+def check_cpu_devices(count: int, what: str) -> None:
+    """Raise UsageError unless `count` emulated CPU devices (`what` says
+    which flags made it) fit in one process."""
+    if count > MAX_CPU_DEVICES:
+        raise UsageError(
+            f"{what} = {count:,} CPU devices in one process; XLA:CPU runs collectives over at "
+            f"most {MAX_CPU_DEVICES}: use fewer, or several processes (zpp launch)"
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
@@ -82,6 +97,8 @@ class DistributedConfig:
         d = self.local_cpu_devices
         if d is not None and (not isinstance(d, int) or d <= 0):
             raise UsageError(f"local_cpu_devices must be a positive int, got {d!r}")
+        if d is not None:
+            check_cpu_devices(d, "local_cpu_devices")
 
     @classmethod
     def from_env(cls, **overrides) -> DistributedConfig:

@@ -36,6 +36,7 @@ from zpp_jax.distributed import (
     ENV_LOCAL_CPU_DEVICES,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
+    check_cpu_devices,
 )
 from zpp_jax.errors import UsageError
 
@@ -95,6 +96,7 @@ def launch(
         raise UsageError(f"--nodes must be a positive int, got {nodes!r}")
     if not isinstance(local, int) or local <= 0:
         raise UsageError(f"--local must be a positive int, got {local!r}")
+    check_cpu_devices(local, "--local")
     if not argv:
         raise UsageError("nothing to launch: give a zpp subcommand after --, e.g. -- train")
     if argv[0] == "launch":

@@ -49,6 +49,7 @@ from zpp_jax.partition import quant_float_dtypes
 from zpp_jax.schedule import prefetches
 from zpp_jax.unit import (
     UnitInfo,
+    check_block_sizes,
     check_units,
     clear_relay,
     place,
@@ -280,6 +281,14 @@ def shard(
                 "float32, bfloat16 and float16 parameters. Keep integer state in another "
                 "nnx.Variable type (not nnx.Param), or cast it to a float dtype"
             )
+    check_block_sizes(
+        config, [int(np.size(v)) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    )
+    if _unit_infos(model):
+        raise UsageError(
+            "this model is already sharded (zpp.shard ran on it): use it as it is, or shard "
+            "zpp.unshard(model) for another mesh or config"
+        )
     units = _select(model, policy)
     unit_paths = set(units)
     for path in units:

@@ -35,7 +35,15 @@ from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.partition import quant_float_dtypes
-from zpp_jax.unit import UnitInfo, check_units, place, run_unit, shard_dim, zero_residual
+from zpp_jax.unit import (
+    UnitInfo,
+    check_block_sizes,
+    check_units,
+    place,
+    run_unit,
+    shard_dim,
+    zero_residual,
+)
 
 _ON_DEVICE = contextvars.ContextVar("zpp_linen_on_device", default=False)
 _LAYER_NAME = re.compile(r"^(.*)_(\d+)$")
@@ -245,6 +253,11 @@ def shard_linen(
         overlapping units, a non-floating parameter.
     """
     config = ZeroPPConfig() if config is None else config
+    if isinstance(module, ShardedLinen):
+        raise UsageError(
+            "this model is already sharded (zpp.shard_linen ran on it): use it as it is, or "
+            "shard the original module"
+        )
     if "params" not in variables:
         raise UsageError("shard_linen needs the model's variables with a 'params' collection")
     nodes, local = mesh_shape(mesh)
@@ -256,6 +269,7 @@ def shard_linen(
                 f"parameter {'/'.join(path)} has dtype {jnp.dtype(jnp.result_type(value)).name}; "
                 "ZeRO++ shards float32, bfloat16 and float16 parameters"
             )
+    check_block_sizes(config, [int(np.size(v)) for v in params.values()])
     tree = unflatten_dict(params)
     if policy is None:
         units = default_linen_units(tree)

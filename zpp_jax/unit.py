@@ -61,6 +61,22 @@ def check_units(units: Sequence[tuple], fix: str) -> None:
                 )
 
 
+def check_block_sizes(config: ZeroPPConfig, sizes: Sequence[int]) -> None:
+    """Raise UsageError when a quantization block is larger than the
+    largest of the parameters (`sizes`, in elements): every tensor would
+    be padded up to one block, for no accuracy."""
+    largest = max(sizes, default=0)
+    for name, on, value in (
+        ("block_size", config.quantize_weights, config.block_size),
+        ("gradient_block_size", config.quantize_gradients, config.grad_block),
+    ):
+        if on and value > largest:
+            raise UsageError(
+                f"{name}={value:,} is larger than the model's largest parameter ({largest:,} "
+                f"elements): every tensor would be padded up to one block; use at most {largest:,}"
+            )
+
+
 def _name(path: tuple) -> str:
     return "/".join(str(k) for k in path) or "<the model>"
 
@@ -234,12 +250,17 @@ def run_unit(
         return jax.tree.map(lambda a: a[None], out), new_state, new_args
 
     prefetch = prefetches(info.mesh)
+    # Called outside any trace (an eager call of the model): the call is
+    # compiled on its own, and joins no relay chain.
+    eager = not any(
+        isinstance(x, jax.core.Tracer) for x in [v for _, v, _, _ in params] + jax.tree.leaves(args)
+    )
     # A unit of vectors only (a final norm) has no matrix multiply of its
     # own weights: its backward pass would be an empty window for the
     # neighbours' communication, so it is left out of the relay chain and
     # its own few bytes are scheduled freely.
     relayed = layout is not None and any(np.ndim(v) >= 2 for _, v, _, _ in params)
-    token = _relay.take(info.mesh) if prefetch and relayed else None
+    token = _relay.take(info.mesh) if prefetch and relayed and not eager else None
 
     def local(blocks, rep, state_values, arg_values, residual, token):
         inputs = (rep, state_values, arg_values)
@@ -257,7 +278,7 @@ def run_unit(
             return layer(shard, inputs, residual), None
         return layer.relayed(shard, inputs, residual, token)
 
-    (out, new_state, new_args), token = jax.shard_map(
+    mapped = jax.shard_map(
         local,
         mesh=info.mesh,
         in_specs=(
@@ -270,7 +291,9 @@ def run_unit(
         ),
         out_specs=((P(AXES), P(), P()), None if token is None else P(AXES)),
         check_vma=False,
-    )(
+    )
+    # The layer's custom_vjp cannot run under an eager shard_map: compile it.
+    (out, new_state, new_args), token = (jax.jit(mapped) if eager else mapped)(
         [v for _, v, _ in split],
         [v for _, v in whole],
         [v for v, _ in state],

@@ -111,11 +111,14 @@ def _config_from_args(args):
     return ZeroPPConfig(comm_dtype=args.comm_dtype, remat=args.remat, **fields)
 
 
-def _use_emulated_devices(count: int) -> None:
+def _use_emulated_devices(count: int, what: str = "--nodes x --local") -> None:
     """Give the CPU backend `count` devices unless the user chose a number.
 
     Must run before jax initializes its backends; only the CPU backend reads it.
     """
+    from zpp_jax.distributed import check_cpu_devices
+
+    check_cpu_devices(count, what)
     if (
         "JAX_NUM_CPU_DEVICES" in os.environ
         or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
@@ -156,7 +159,8 @@ def _join_job(args) -> None:
     if not dist.is_multi_process:
         args.nodes = 2 if args.nodes is None else args.nodes
         args.local = 4 if args.local is None else args.local
-        _use_emulated_devices(max(stages, 1) * args.nodes * args.local)
+        what = "--stages x --nodes x --local" if stages > 1 else "--nodes x --local"
+        _use_emulated_devices(max(stages, 1) * args.nodes * args.local, what)
         return
     initialize(dist, on_lost_peer=functools.partial(_lost_peer, args.command))
     import jax
@@ -206,6 +210,7 @@ def _train(args) -> int:
             data=args.data,
             val_data=args.val_data,
             tokenizer=args.tokenizer,
+            accept_binary=args.accept_binary,
             eval_every=args.eval_every,
             eval_batches=args.eval_batches,
             metrics=args.metrics,
@@ -253,6 +258,8 @@ def _comm(args) -> int:
     from zpp_jax.mesh import make_mesh
     from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
 
+    if args.seq is not None and args.seq < 1:
+        raise UsageError(f"--seq must be a positive number of tokens, got {args.seq}")
     seq = {"seq_len": args.seq} if args.seq else {}
     if args.arch == "gpt":
         model = GPTConfig.preset(args.model, **seq)
@@ -439,6 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="byte",
         help="byte (default), bpe:N (a byte-level BPE of N ids trained on the training text), "
         "or a tokenizer.json; saved with the checkpoints and reused on --resume",
+    )
+    train.add_argument(
+        "--accept-binary",
+        action="store_true",
+        help="train on --data that is not UTF-8 text (a binary file, random bytes) without the "
+        "warning (--tokenizer byte) or the error (BPE, a tokenizer.json)",
     )
     train.add_argument("--eval-every", type=int, default=50)
     train.add_argument("--eval-batches", type=int, default=4)

@@ -35,10 +35,14 @@ class Corpus:
         )
 
 
-def load(cfg) -> Corpus:
+def load(cfg, warn=print) -> Corpus:
     """Read `cfg.data` (default: the Python standard library's source) and
     `cfg.val_data`, and tokenize text with `cfg.tokenizer`. On resume a
-    ``bpe:N`` tokenizer is the one saved in `cfg.ckpt_dir`, not a new one."""
+    ``bpe:N`` tokenizer is the one saved in `cfg.ckpt_dir`, not a new one.
+
+    Data that does not look like text (`zpp_jax.data.corpus.text_problem`)
+    is refused under a text tokenizer (BPE, a tokenizer.json), and trained
+    on bytes with a warning through `warn`, unless `cfg.accept_binary`."""
     saved = _saved_tokenizer(cfg) if cfg.resume else None
     train_files = expand(cfg.data) if cfg.data else None
     val_files = expand(cfg.val_data) if cfg.val_data else None
@@ -47,13 +51,15 @@ def load(cfg) -> Corpus:
         raise UsageError("--data and --val-data must both be text or both token files")
     if kinds == {True}:
         return _token_files(cfg, train_files, val_files, saved)
-    text = read_text(train_files) if train_files else stdlib_corpus().tobytes()
+    not_text: list[str] = []
+    text = read_text(train_files, not_text) if train_files else stdlib_corpus().tobytes()
     source = f"{len(train_files)} text files" if train_files else "the Python standard library"
     if val_files:
-        train_text, val_text = text, read_text(val_files)
+        train_text, val_text = text, read_text(val_files, not_text)
     else:
         split = int(len(text) * (1 - VAL_FRACTION))
         train_text, val_text = text[:split], text[split:]
+    _check_text(cfg, not_text, warn)
     tokenizer = make_tokenizer(cfg.tokenizer, train_text, saved)
     _check_saved(cfg, tokenizer, saved)
     digest = hashlib.sha256(text + (val_text if val_files else b"")).hexdigest()
@@ -62,6 +68,20 @@ def load(cfg) -> Corpus:
         raise UsageError(f"--data {cfg.data}: the corpus is empty")
     fingerprint = {"tokens": int(train.size + val.size), "sha256": digest}
     return Corpus(tokenizer, train, val, fingerprint, source)
+
+
+def _check_text(cfg, not_text: list[str], warn) -> None:
+    if not not_text or cfg.accept_binary:
+        return
+    more = f" (and {len(not_text) - 1} more files)" if len(not_text) > 1 else ""
+    if cfg.tokenizer != "byte":
+        raise UsageError(
+            f"--data {not_text[0]}{more}: --tokenizer {cfg.tokenizer} reads text; pass "
+            "--accept-binary to train on these bytes anyway, or --tokenizer byte"
+        )
+    warn(
+        f"warning: --data {not_text[0]}{more}; training on its bytes (--accept-binary: no warning)"
+    )
 
 
 def _token_files(cfg, train_files, val_files, saved) -> Corpus:

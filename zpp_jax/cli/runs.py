@@ -52,6 +52,7 @@ _NOT_IDENTITY = frozenset(
         "data",  # the corpus counts by its content, wherever it lies
         "val_data",
         "tokenizer",  # by its content too (a path, or bpe:N trained again)
+        "accept_binary",
         "vocab_size",  # the tokenizer's
         "nodes",
         "local",

@@ -37,7 +37,7 @@ from zpp_jax.cli import corpus, runs
 from zpp_jax.cli.plan import folded
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.data import BatchLoader, TokenDataset, local_rows
-from zpp_jax.errors import UsageError, check_positive_finite, check_positive_ints
+from zpp_jax.errors import UsageError, check_int_range, check_positive_finite
 from zpp_jax.mesh import make_mesh
 from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
 from zpp_jax.preemption import Stopped, StopRequest
@@ -45,6 +45,7 @@ from zpp_jax.step_report import summarize
 from zpp_jax.train import Trainer
 
 ARCHS = ("gpt", "llama")
+INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,7 @@ class RunConfig:
     data: str | None = None  # text or token files: a file, a directory or a glob
     val_data: str | None = None  # default: the last 5% of `data`
     tokenizer: str = "byte"  # "byte", "bpe:N" or a tokenizer.json path
+    accept_binary: bool = False  # data that is not UTF-8 text: no warning (byte) or error (BPE)
     vocab_size: int | None = None  # the model's; `build` sets the tokenizer's
     eval_every: int = 50
     eval_batches: int = 4
@@ -86,11 +88,7 @@ class RunConfig:
     cost: str | None = None  # cost model JSON for slices="auto" (default: analytic)
 
     def __post_init__(self) -> None:
-        check_positive_ints(
-            self, ("nodes", "local", "batch", "grad_accum", "steps", "eval_batches")
-        )
-        if self.ckpt_every < 0 or self.eval_every < 0:
-            raise UsageError("ckpt_every and eval_every must be >= 0 (0: never)")
+        self._check_ranges()
         if (self.ckpt_every or self.resume) and not self.ckpt_dir:
             raise UsageError("checkpointing and --resume need --ckpt-dir")
         if self.arch not in ARCHS:
@@ -99,16 +97,13 @@ class RunConfig:
         check_positive_finite("--lr", self.lr, "learning rate")
         if not 0 <= self.weight_decay < math.inf:
             raise UsageError(f"weight_decay must be finite and >= 0, got {self.weight_decay}")
-        if self.warmup < 0:
-            raise UsageError(f"--warmup must be >= 0 steps, got {self.warmup}")
-        if self.seq_len is not None and self.seq_len < 1:
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
             raise UsageError(
                 f"--seq must be a positive number of tokens, got {self.seq_len} "
                 "(leave it out for the preset's length)"
             )
         if self.resume and self.overwrite:
             raise UsageError("--resume continues a run and --overwrite deletes it: pass one")
-        check_positive_ints(self, ("stages",))
         if self.stages > 1:
             if self.grad_accum != 1:
                 raise UsageError(
@@ -121,6 +116,25 @@ class RunConfig:
                 "--slices, --cost and --no-stage-zero set up the token pipeline: pass "
                 "--stages K (K > 1) with them"
             )
+
+    def _check_ranges(self) -> None:
+        """Every count in a range that can work: steps and batches that
+        int32 indexing (and the optimizer's step counter) reaches, a seed
+        of 32 bits, 0 meaning never for the intervals."""
+        for flag, value, low, high, why in (
+            ("--nodes", self.nodes, 1, INT32_MAX, ""),
+            ("--local", self.local, 1, INT32_MAX, ""),
+            ("--stages", self.stages, 1, INT32_MAX, ""),
+            ("--batch", self.batch, 1, INT32_MAX, "sequences per step"),
+            ("--grad-accum", self.grad_accum, 1, max(self.batch, 1), "at most --batch"),
+            ("--steps", self.steps, 1, INT32_MAX, "the optimizer counts steps in int32"),
+            ("--warmup", self.warmup, 0, INT32_MAX, "steps"),
+            ("--eval-every", self.eval_every, 0, INT32_MAX, "steps; 0: never"),
+            ("--eval-batches", self.eval_batches, 1, INT32_MAX, ""),
+            ("--ckpt-every", self.ckpt_every, 0, INT32_MAX, "steps; 0: only the last"),
+            ("--seed", self.seed, 0, 2**32 - 1, "32 bits"),
+        ):
+            check_int_range(flag, value, low, high, why)
 
 
 # -- build ----------------------------------------------------------------------
@@ -272,14 +286,36 @@ class Job:
         )
 
 
+def check_settings(cfg: RunConfig) -> None:
+    """What can be checked of a run before any file is touched: its paths
+    (`runs.check_paths`), the model preset, the tokens of a step, and the
+    split of the layers into stages.
+
+    Raises:
+      UsageError: naming the setting and what would work.
+    """
+    runs.check_paths(cfg)
+    model_cfg = model_config(cfg)
+    tokens = cfg.batch * model_cfg.seq_len
+    if tokens > INT32_MAX:
+        raise UsageError(
+            f"--batch {cfg.batch} x {model_cfg.seq_len} tokens = {tokens:,} tokens a step, "
+            f"more than int32 indexing reaches ({INT32_MAX:,}); use a smaller --batch or --seq"
+        )
+    if cfg.stages > 1 and model_cfg.n_layers % cfg.stages:
+        raise UsageError(
+            f"--stages {cfg.stages} does not divide the model's {model_cfg.n_layers} "
+            "layers; choose a number of stages that divides the layer count"
+        )
+
+
 def build(cfg: RunConfig, log=print) -> Job:
     """Data, model, trainer, checkpointer and state; the steps compiled
     (unless a resumed run has no step left: `Job.train_step` stays None).
-    Paths and outputs are checked before anything is built (see `runs`);
-    `run` holds the outputs' lock (`runs.OutputLock`) around it."""
-    runs.check_paths(cfg)
+    `run` checks the settings first (`check_settings`) and holds the
+    outputs' lock (`runs.OutputLock`) around it."""
     runs.claim(cfg, log, delete=jax.process_index() == 0)
-    text = corpus.load(cfg)
+    text = corpus.load(cfg, log)
     cfg = dataclasses.replace(cfg, vocab_size=text.tokenizer.vocab_size)
     model_cfg = model_config(cfg)
     data = text.dataset(model_cfg.seq_len, model_cfg.vocab_size)
@@ -287,11 +323,6 @@ def build(cfg: RunConfig, log=print) -> Job:
         corpus.save_tokenizer(cfg, text.tokenizer)
     slicing = ""
     if cfg.stages > 1:
-        if model_cfg.n_layers % cfg.stages:
-            raise UsageError(
-                f"--stages {cfg.stages} does not divide the model's {model_cfg.n_layers} "
-                "layers; choose a number of stages that divides the layer count"
-            )
         slices, how = choose_slices(cfg, model_cfg)
         trainer = make_pipeline_trainer(cfg, slices)
         slicing = f"{len(slices)} slices ({how}): {folded(slices)}"
@@ -310,6 +341,12 @@ def build(cfg: RunConfig, log=print) -> Job:
         else:
             state, meta = restored
             position = meta["data_position"]
+            if meta["residuals_reset"]:
+                log(
+                    f"--resume: checkpoint {position} was saved on a {_mesh_text(meta['mesh'])} "
+                    f"mesh, this run is on {cfg.nodes} x {cfg.local}: the error-feedback residuals "
+                    "restart from zero (the next steps' gradients carry no rounding error forward)"
+                )
             if position > cfg.steps:
                 raise UsageError(
                     f"--resume: checkpoint {position} in {cfg.ckpt_dir} is past --steps "
@@ -348,6 +385,11 @@ def build(cfg: RunConfig, log=print) -> Job:
     moved = summarize(job.train_step.as_text(), cfg.local)
     job.cross_node_bytes, job.intra_node_bytes = moved.cross_node_bytes, moved.intra_node_bytes
     return job
+
+
+def _mesh_text(shape: dict | None) -> str:
+    """``2 x 4`` for a saved mesh shape ``{"node": 2, "local": 4}``."""
+    return " x ".join(str(v) for v in shape.values()) if shape else "another"
 
 
 def _ranges(rows: list[int]) -> str:
@@ -567,7 +609,7 @@ def run(cfg: RunConfig) -> list[dict]:
         in use by another run.
       Stopped: a signal stopped the run (its message says what was saved).
     """
-    runs.check_paths(cfg)
+    check_settings(cfg)
     with runs.hold_outputs(cfg), StopRequest() as stop:
         job = build(cfg, log=_warn)
         return _train(job, stop)

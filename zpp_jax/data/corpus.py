@@ -4,9 +4,11 @@ uint32), the latter memory-mapped and never read whole into memory."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import glob
 import hashlib
+import os
 import pathlib
 import sysconfig
 
@@ -74,6 +76,15 @@ def expand(spec: str) -> list[pathlib.Path]:
         if not files:
             raise UsageError(f"{spec}: the pattern matches no file")
         return files
+    if path.is_symlink():
+        try:
+            path.resolve(strict=True)
+        except RuntimeError:  # Python 3.11 names a loop so
+            raise UsageError(f"{spec}: a loop of symbolic links, it reaches no file") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UsageError(f"{spec}: a loop of symbolic links, it reaches no file") from None
+        raise UsageError(f"{spec}: a symbolic link to {os.readlink(path)}, which does not exist")
     raise UsageError(f"{spec}: no such file or directory")
 
 
@@ -88,12 +99,35 @@ def is_token_files(files: list[pathlib.Path]) -> bool:
     return bool(files) and all(tokens)
 
 
-def read_text(files: list[pathlib.Path]) -> bytes:
-    """The files' bytes, concatenated in order."""
-    data = b"".join(p.read_bytes() for p in files)
+def read_text(files: list[pathlib.Path], not_text: list[str] | None = None) -> bytes:
+    """The files' bytes, concatenated in order. With a `not_text` list, a
+    line naming each file that does not look like text (`text_problem`) is
+    appended to it."""
+    parts = []
+    for path in files:
+        data = path.read_bytes()
+        problem = text_problem(path, data) if not_text is not None else None
+        if problem:
+            not_text.append(problem)
+        parts.append(data)
+    data = b"".join(parts)
     if not data:
         raise UsageError(f"{_names(files)}: the corpus is empty")
     return data
+
+
+def text_problem(path: pathlib.Path, data: bytes) -> str | None:
+    """Why `data` (the bytes of `path`) does not look like text: more than
+    1% NUL bytes (a binary file), or bytes that are not UTF-8 (with the
+    offset of the first); None for UTF-8 text."""
+    nuls = data.count(0)
+    if nuls > len(data) / 100:
+        return f"{path}: {nuls / len(data):.0%} of its {len(data):,} bytes are NUL (a binary file?)"
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"{path}: not UTF-8 text, from byte {e.start:,} ({data[e.start : e.start + 4]!r})"
+    return None
 
 
 class TokenFiles:

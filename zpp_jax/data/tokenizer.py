@@ -23,6 +23,8 @@ import numpy as np
 from zpp_jax.errors import UsageError
 
 BYTE_VOCAB = 256
+# The largest vocabularies of published models (Gemma's) are 2^18 ids.
+MAX_BPE_VOCAB = 1 << 18
 # Encoding and training read the text in pieces cut after a newline near
 # this size, the same pieces every time.
 _PIECE = 1 << 20
@@ -107,6 +109,13 @@ def train_bpe(text: bytes, vocab_size: int) -> HFTokenizer:
 
     if not text:
         raise UsageError("cannot train a BPE on an empty corpus")
+    if vocab_size - BYTE_VOCAB >= len(text):
+        # Each merge joins a pair of the text's tokens: at most len - 1 of them.
+        raise UsageError(
+            f"--tokenizer bpe:{vocab_size}: a training text of {len(text):,} bytes makes at most "
+            f"{len(text) - 1:,} merges; use bpe:N with N at most {BYTE_VOCAB + len(text) - 1:,}, "
+            "or more text"
+        )
     tok = _Tok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -139,10 +148,10 @@ def bpe_size(spec: str) -> int | None:
         n = int(spec[4:])
     except ValueError:
         n = 0
-    if n <= BYTE_VOCAB:
+    if not BYTE_VOCAB < n <= MAX_BPE_VOCAB:
         raise UsageError(
-            f"--tokenizer {spec}: N must be an integer above {BYTE_VOCAB} (the bytes, plus "
-            "merges), e.g. bpe:4096"
+            f"--tokenizer {spec}: N must be an integer from {BYTE_VOCAB + 1} to "
+            f"{MAX_BPE_VOCAB:,} (the bytes, plus merges), e.g. bpe:4096"
         )
     return n
 
