@@ -203,6 +203,7 @@ def test_bad_data_is_named(tmp_path):
             run(RunConfig(steps=1, progress=False, seq_len=8, **kw))
 
 
+@pytest.mark.slow  # training runs
 def test_resume_refuses_another_tokenizer(tmp_path):
     """The checkpoints keep their tokenizer (tokenizer.json in --ckpt-dir);
     resuming with another one is refused, naming that file: a BPE of

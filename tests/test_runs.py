@@ -40,6 +40,7 @@ def _steps(ckpt):
     return sorted(int(p.name) for p in pathlib.Path(ckpt).iterdir() if p.name.isdigit())
 
 
+@pytest.mark.slow  # training runs
 def test_a_directory_of_another_run_is_not_reused(tmp_path, capfd):
     """Case 1: another run's checkpoints and metrics are neither deleted nor
     resumed by mistake. Without --resume the run refuses to start (and

@@ -186,6 +186,7 @@ def test_single_node_mesh(mesh24):
     assert np.isfinite(float(m["loss"])) and int(m["skipped"]) == 0
 
 
+@pytest.mark.slow  # training runs
 def test_resume_is_bitwise(tmp_path):
     """A run stopped after its checkpoint and resumed by a new run (a new
     trainer and checkpointer reading the directory) writes the same metrics
