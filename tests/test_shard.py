@@ -566,6 +566,188 @@ def test_memory_per_unit_is_its_input_and_secondary_not_its_weights(mesh24, conf
     assert unrolled < weights / 2
 
 
+# -- what units return and sow --------------------------------------------------------
+
+
+def _moe_losses(model, mesh=None, steps=4):
+    """(loss, balance loss) per step of Adam on a regression with a 0.1
+    load-balancing term."""
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    if mesh is not None:
+        zpp.on_mesh(opt, mesh)
+
+    @nnx.jit
+    def step(model, opt, x, y):
+        def loss_fn(m):
+            out, aux = m(x)
+            return jnp.mean(jnp.square(out - y)) + 0.1 * aux, aux
+
+        (loss, aux), grads = zpp.value_and_grad(loss_fn, has_aux=True)(model)
+        opt.update(model, grads)
+        return loss, aux
+
+    rng, out = np.random.default_rng(5), []
+    for _ in range(steps):
+        x = rng.standard_normal((zoo.BATCH, 16)).astype(np.float32)
+        y = rng.standard_normal(zoo.BATCH).astype(np.float32)
+        if mesh is not None:
+            x, y = jax.device_put((x, y), zpp.batch_sharding(mesh))
+        out.append([float(v) for v in step(model, opt, x, y)])
+    return np.array(out)
+
+
+def test_a_statistic_of_the_batch_inside_a_unit_is_refused(mesh24):
+    """A unit runs on its device's rows: an output that is not per example
+    (an MoE layer's balance loss, a count) raises, naming the unit, the
+    output and the fixes, before anything runs; 'mean' of a count too."""
+    x = jax.device_put(np.ones((zoo.BATCH, 16), np.float32), zpp.batch_sharding(mesh24))
+    model = zpp.shard(zoo.MoENet(nnx.Rngs(0)), mesh24, EXACT)
+    with pytest.raises(ValueError) as refused:
+        nnx.jit(lambda m, x: m(x))(model, x)
+    assert (
+        "unit layers/0 returned output[1] of shape () (float32), which is not per example (its "
+        "leading axis is not this device's 2 rows of the batch)" in str(refused.value)
+    )
+    assert "outputs='mean'" in str(refused.value) and "outputs" in str(refused.value)
+
+    class Count(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(16, 16, rngs=rngs)
+
+        def __call__(self, x):
+            y = self.lin(x)
+            return y, jnp.sum(y > 0.5)
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([Count(rngs), Count(rngs)])
+
+        def __call__(self, x):
+            return self.layers[1](self.layers[0](x)[0])
+
+    want = Net(nnx.Rngs(0))(np.asarray(x))[1]
+    for outputs, error in ((None, "not per example"), ("mean", "int32 and cannot be averaged")):
+        with pytest.raises(ValueError, match=error):
+            nnx.jit(lambda m, x: m(x))(
+                zpp.shard(Net(nnx.Rngs(0)), mesh24, EXACT, outputs=outputs), x
+            )
+    counted = nnx.jit(lambda m, x: m(x))(
+        zpp.shard(Net(nnx.Rngs(0)), mesh24, EXACT, outputs="sum"), x
+    )[1]
+    assert int(counted) == int(want) and int(want) > 2
+    with pytest.raises(ValueError, match="outputs='max'"):
+        zpp.shard(Net(nnx.Rngs(0)), mesh24, outputs="max")
+
+
+def test_an_moe_balance_loss_from_declared_means_trains_exactly(mesh24):
+    """Returned as the two batch means it is made of, declared 'mean', and
+    combined outside the units, the balance loss and the training losses
+    equal one device's to 1e-6 step by step, and the parameters to 1e-5. A
+    balance loss computed inside the unit and declared 'mean' instead is
+    the mean of the devices' losses, not the batch's: far from it."""
+    ref = zoo.MoENet(nnx.Rngs(0), "means")
+    want = _moe_losses(ref)
+    model = zpp.shard(zoo.MoENet(nnx.Rngs(0), "means"), mesh24, EXACT, outputs="mean")
+    got = _moe_losses(model, mesh24)
+    assert np.max(np.abs(got - want) / np.abs(want)) <= 1e-6
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(zpp.unshard(model), nnx.Param)),
+        jax.tree.leaves(nnx.state(ref, nnx.Param)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    inside = zpp.shard(zoo.MoENet(nnx.Rngs(0)), mesh24, EXACT, outputs="mean")
+    wrong = _moe_losses(inside, mesh24, steps=1)
+    assert abs(wrong[0, 1] - _moe_losses(zoo.MoENet(nnx.Rngs(0)), steps=1)[0, 1]) > 1e-2
+
+
+class _Sowing(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+        h = jnp.tanh(self.lin(x))
+        self.sow(nnx.Intermediate, "h", h)  # per example
+        self.sow(nnx.Intermediate, "mean_act", jnp.mean(jnp.abs(h)))  # over the batch
+        return x + h
+
+
+class _SowingNet(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([_Sowing(rngs), _Sowing(rngs)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)' outside")
+def test_sown_values_inside_units(mesh24):
+    """`sow` inside a unit, with `nnx.capture` and as attributes: the
+    per-example values come back as the global batch and a batch mean
+    declared 'mean' as one device's, each equal to the plain model's; a
+    batch mean not declared raises like an output."""
+    x = np.random.default_rng(0).standard_normal((zoo.BATCH, 16)).astype(np.float32)
+    placed = jax.device_put(x, zpp.batch_sharding(mesh24))
+    capture = nnx.jit(lambda m, x: nnx.capture(m, nnx.Intermediate)(x))
+    want_out, want = capture(_SowingNet(nnx.Rngs(0)), x)
+    with pytest.raises(ValueError, match=r"unit layers/0 returned sow\['mean_act'\]\[0\] of"):
+        capture(zpp.shard(_SowingNet(nnx.Rngs(0)), mesh24, EXACT), placed)
+    out, got = capture(zpp.shard(_SowingNet(nnx.Rngs(0)), mesh24, EXACT, outputs="mean"), placed)
+    np.testing.assert_allclose(out, want_out, rtol=1e-6, atol=1e-6)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    # Without nnx.capture, sown into attributes of the model.
+    plain, model = (
+        _SowingNet(nnx.Rngs(0)),
+        zpp.shard(_SowingNet(nnx.Rngs(0)), mesh24, EXACT, outputs="mean"),
+    )
+    plain(x)
+    nnx.jit(lambda m, x: m(x))(model, placed)
+    got, want = nnx.state(model, nnx.Intermediate), nnx.state(plain, nnx.Intermediate)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+class _Decoder(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(32, 16, rngs=rngs)
+        self.layers = nnx.List(
+            [nnx.MultiHeadAttention(2, 16, decode=True, rngs=rngs) for _ in range(2)]
+        )
+        self.head = nnx.Linear(16, 32, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def test_decoding_caches_split_with_the_batch(mesh24):
+    """`nnx.MultiHeadAttention(decode=True)` keeps its keys and values in
+    `nnx.Cache`s of the global batch: inside a unit they are split with
+    the batch, so a sharded model decodes token by token with the logits
+    of `zpp.unshard`'s and of the model's own."""
+    length = 5
+    tokens = np.random.default_rng(0).integers(0, 32, (zoo.BATCH, length)).astype(np.int32)
+
+    def decode(model, place):
+        for layer in model.layers:
+            layer.init_cache((zoo.BATCH, length, 16))
+        step = nnx.jit(lambda m, t: m(t))
+        return np.stack([step(model, place(tokens[:, i : i + 1])) for i in range(length)], 1)
+
+    want = decode(_Decoder(nnx.Rngs(0)), lambda t: t)
+    model = zpp.shard(_Decoder(nnx.Rngs(0)), mesh24, EXACT)
+    got = decode(model, lambda t: jax.device_put(t, zpp.batch_sharding(mesh24)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(decode(zpp.unshard(model), lambda t: t), got, rtol=1e-5, atol=1e-6)
+
+
 # -- bad input ------------------------------------------------------------------
 
 

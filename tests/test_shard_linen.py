@@ -4,6 +4,7 @@ a CNN with BatchNorm and dropout): the loop stays ``model.apply`` and
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -186,3 +187,107 @@ def test_error_feedback_residuals_carry_over(mesh24):
         losses.append(float(loss))
     assert all(float(jnp.max(jnp.abs(r))) > 0 for r in jax.tree.leaves(residuals))
     assert np.all(np.isfinite(losses)) and np.mean(losses[-3:]) < 0.9 * np.mean(losses[:3])
+
+
+# -- what units return and sow, and Linen's own transforms ---------------------------
+
+
+class _SowingBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(nn.Dense(16)(x))
+        self.sow("intermediates", "h", h)  # per example
+        self.sow("intermediates", "mean_act", jnp.mean(jnp.abs(h)))  # over the batch
+        return x + h
+
+
+class _SowingNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = _SowingBlock(name=f"block_{i}")(x)
+        return nn.Dense(4)(x)
+
+
+def test_sown_values_and_outputs_inside_units(mesh24):
+    """`sow` inside a Linen unit: per-example values come back as the
+    global batch, a batch mean declared 'mean' as one device's, equal to
+    the plain module's; undeclared, the mean raises, naming it."""
+    x = np.random.default_rng(0).standard_normal((zoo.BATCH, 16)).astype(np.float32)
+    module = _SowingNet()
+    variables = module.init(jax.random.key(0), x)
+    want, want_sown = module.apply(variables, x, mutable=["intermediates"])
+    placed = jax.device_put(x, zpp.batch_sharding(mesh24))
+    model, sharded = zpp.shard_linen(module, variables, mesh24, EXACT)
+    apply = jax.jit(lambda m, v, x: m.apply(v, x, mutable=["intermediates"]), static_argnums=0)
+    with pytest.raises(ValueError, match=r"unit block_0 returned sow\['intermediates/mean_act'\]"):
+        apply(model, sharded, placed)
+    model, sharded = zpp.shard_linen(module, variables, mesh24, EXACT, outputs="mean")
+    got, got_sown = apply(model, sharded, placed)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert jax.tree.structure(got_sown) == jax.tree.structure(want_sown)
+    for a, b in zip(jax.tree.leaves(got_sown), jax.tree.leaves(want_sown), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+class _Jitted(nn.Module):
+    """`__call__` under `nn.jit`, as Google DeepMind's gemma library writes it."""
+
+    @nn.jit
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = jnp.tanh(nn.Dense(16, name=f"layer_{i}")(x))
+        return x
+
+
+class _Rematted(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = jnp.tanh(nn.remat(nn.Dense)(16, name=f"layer_{i}")(x))
+        return x
+
+
+class _Cell(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return jnp.tanh(nn.Dense(16)(x)), None
+
+
+class _Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        scan = nn.scan(_Cell, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        return scan(name="stack")(x, None)[0]
+
+
+@pytest.mark.parametrize(
+    "module", [_Jitted(), _Rematted(), _Scanned()], ids=["jit", "remat", "scan"]
+)
+def test_modules_under_linen_transforms_run_their_units(module, mesh24):
+    """Under `nn.jit` (whose trace cache does not know the units), `nn.remat`
+    and `nn.scan`, every trace runs the config the model was sharded with:
+    after a plain call and a ZeRO-3 one in the same process, int4 weights
+    give another loss; the ZeRO-3 loss and gradients equal the plain
+    module's, traced or called eagerly."""
+    x = np.random.default_rng(0).standard_normal((zoo.BATCH, 16)).astype(np.float32)
+    variables = module.init(jax.random.key(0), x)
+
+    def loss(apply, v, x):
+        return jnp.sum(jnp.square(apply(v, x)))
+
+    want, want_grads = jax.value_and_grad(functools.partial(loss, module.apply))(variables, x)
+    placed = jax.device_put(x, zpp.batch_sharding(mesh24))
+    losses = {}
+    for name, config in (("exact", EXACT), ("int4", zpp.ZeroPPConfig(weight_bits=4))):
+        model, sharded = zpp.shard_linen(module, variables, mesh24, config)
+        step = jax.jit(jax.value_and_grad(functools.partial(loss, model.apply)))
+        losses[name], grads = step(sharded, placed)
+        if name == "exact":
+            assert abs(losses[name] - want) <= 1e-6 * abs(want)
+            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+                assert _norm_rel(a, b) <= 1e-6
+            eager = model.apply(sharded, placed)
+            np.testing.assert_allclose(eager, module.apply(variables, x), rtol=1e-6, atol=1e-6)
+    assert abs(losses["int4"] - losses["exact"]) > 1e-4 * abs(losses["exact"])

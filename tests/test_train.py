@@ -285,3 +285,17 @@ def test_abstract_model_compiles_the_same_step(mesh24):
     assert lowered[0] == lowered[1]
     with pytest.raises(UsageError, match="abstract model"):
         abstract.init()
+
+
+def test_a_step_that_calls_no_unit_is_refused(mesh24):
+    """A loss that never calls the model's units (here a penalty on one
+    weight) would train with none of the engine: the step refuses it."""
+    trainer = Trainer(
+        GPT(CFG, nnx.Rngs(0)),
+        optax.sgd(0.1),
+        mesh24,
+        EXACT,
+        loss_fn=lambda model, batch: jnp.sum(jnp.square(model.embed.positions[...])),
+    )
+    with pytest.raises(UsageError, match="the Trainer's loss_fn called none of the model's units"):
+        trainer.train_step(trainer.init(), jax.device_put(_batch(), trainer.batch_sharding()))

@@ -247,6 +247,44 @@ def widths() -> Family:
     return Family("different_widths", lambda seed: Tower(nnx.Rngs(seed)), _regression_batch, _mse)
 
 
+class MoE(nnx.Module):
+    """A top-1 mixture of experts with its load-balancing statistics, as
+    Switch-style layers compute them: the fraction of rows routed to each
+    expert and the mean router probability of each. `returns="loss"`: the
+    layer returns its load-balancing loss (a product of two batch means);
+    "means": it returns the two means, and the model computes the loss."""
+
+    def __init__(self, d, experts, rngs, returns="loss"):
+        self.router = nnx.Linear(d, experts, rngs=rngs)
+        self.experts = nnx.Param(jax.random.normal(rngs.params(), (experts, d, d)) * d**-0.5)
+        self.returns = returns
+
+    def __call__(self, x):
+        probs = jax.nn.softmax(self.router(x))
+        routed = jax.nn.one_hot(jnp.argmax(probs, -1), probs.shape[-1])
+        y = x + jnp.einsum("bd,edf,be->bf", x, self.experts, routed * probs)
+        means = {"routed": routed.mean(0), "probs": probs.mean(0)}
+        return y, (balance_loss(means) if self.returns == "loss" else means)
+
+
+def balance_loss(means):
+    return means["probs"].shape[-1] * jnp.sum(means["routed"] * means["probs"])
+
+
+class MoENet(nnx.Module):
+    def __init__(self, rngs, returns="loss", d=16, experts=4):
+        self.layers = nnx.List([MoE(d, experts, rngs, returns) for _ in range(2)])
+        self.head = nnx.Linear(d, 1, rngs=rngs)
+        self.returns = returns
+
+    def __call__(self, x):
+        aux = 0.0
+        for layer in self.layers:
+            x, stats = layer(x)
+            aux = aux + (stats if self.returns == "loss" else balance_loss(stats))
+        return self.head(x)[:, 0], aux
+
+
 def nnx_families() -> list[Family]:
     return [llama(False), llama(True), mlp(), encoder_decoder(), tied(), widths()]
 

@@ -48,8 +48,11 @@ from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.partition import quant_float_dtypes
 from zpp_jax.schedule import prefetches
 from zpp_jax.unit import (
+    Outputs,
     UnitInfo,
+    append_sown,
     check_block_sizes,
+    check_outputs,
     check_units,
     clear_relay,
     place,
@@ -227,6 +230,8 @@ def shard(
     config: ZeroPPConfig | None = None,
     policy: Policy = None,
     compute_dtype=None,
+    *,
+    outputs: Outputs = None,
 ) -> nnx.Module:
     """Shard `model` for ZeRO++ over `mesh` (a `make_mesh` mesh), in place.
 
@@ -244,6 +249,19 @@ def shard(
         of paths. Units must not contain each other.
       compute_dtype: cast each unit's gathered weights to this dtype (mixed
         precision). Default None: the model's own dtypes, unchanged.
+      outputs: how a unit's outputs that are not per example combine over
+        the devices (`zpp_jax.unit.combine_outputs`). A unit runs on each
+        device's rows of the batch: an output whose leading axis is the
+        rows' comes back as the global batch; anything else (an auxiliary
+        loss, a count over the batch) is that device's alone, and raises
+        UsageError unless declared here. "mean": the mean over the
+        devices (exact for a mean over the rows); "sum": the sum (exact
+        for a sum over them, such as a count); a function ``(unit path,
+        output) -> "batch" | "mean" | "sum" | None`` per output, the
+        output named ``output``, ``output[1]``, ``output['aux']`` (what the
+        unit returns) or ``sow['name']...`` (what it sows). Values that
+        are not linear in the batch (a product of two means, a variance)
+        are exact only if computed outside the unit from such outputs.
 
     With ``config.error_feedback`` each unit also holds a `FeedbackResidual`;
     take gradients with `zpp.value_and_grad` (or `zpp.grad`) so that it is
@@ -260,11 +278,18 @@ def shard(
     The model's other arrays (random-stream keys and counts, batch
     statistics) are replicated on every device of the mesh.
 
+    Values a unit sows (``self.sow(nnx.Intermediate, ...)``, with or without
+    `nnx.capture`) follow the same rule as its outputs, and are merged
+    into the model as a call on one device would (the default tuple
+    reduction). Decoding caches (`nnx.Cache`) whose leading axis is the
+    batch are split with it: a sharded model decodes as the model does.
+
     Raises:
       UsageError: a mesh without (`node`, `local`) axes, a policy that selects
         no unit or overlapping units, a parameter that is not floating point.
     """
     config = ZeroPPConfig() if config is None else config
+    check_outputs(outputs)
     if not isinstance(model, nnx.Module):
         raise UsageError(
             f"zpp.shard takes a Flax NNX module, got {type(model).__name__}; for Linen use "
@@ -292,7 +317,7 @@ def shard(
     units = _select(model, policy)
     unit_paths = set(units)
     for path in units:
-        _make_unit(_get(model, path), mesh, config, compute_dtype, n)
+        _make_unit(_get(model, path), mesh, config, compute_dtype, n, _name(path), outputs)
     # Parameters outside every unit: stored split the same way, gathered by
     # XLA (unquantized) where the model's own code uses them.
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -307,7 +332,7 @@ def shard(
     return on_mesh(model, mesh)
 
 
-def _make_unit(module, mesh, config, compute_dtype, n):
+def _make_unit(module, mesh, config, compute_dtype, n, name, outputs):
     stacked = _looks_stacked(module)
     params = nnx.to_flat_state(nnx.state(module, nnx.Param))
     dims = []
@@ -336,50 +361,113 @@ def _make_unit(module, mesh, config, compute_dtype, n):
         None if compute_dtype is None else jnp.dtype(compute_dtype),
         tuple(dims),
         stacked,
+        name,
+        outputs,
     )
     module.__class__ = _sharded_class(type(module))
 
 
 # -- one call of a unit ----------------------------------------------------------
 
-_REST = nnx.Not(nnx.Any(nnx.Param, FeedbackResidual))
+# Sown values: what `Module.sow` writes (attributes, or `nnx.capture`'s
+# dicts); perturbations stay state (their values are inputs, not outputs).
+_SOWN = nnx.All(nnx.Intermediate, nnx.Not(nnx.Perturbation))
+_REST = nnx.Not(nnx.Any(nnx.Param, FeedbackResidual, _SOWN))
 
 
 def _unit_call(self, *args, **kwargs):
     """A unit's ``__call__``: the engine around the class's own."""
     info: UnitInfo = self._zpp
     base = type(self)._zpp_base
-    graphdef, params, feedback, rest = nnx.split(self, nnx.Param, FeedbackResidual, _REST)
+    graphdef, params, feedback, sown, rest = nnx.split(
+        self, nnx.Param, FeedbackResidual, _SOWN, _REST
+    )
     param_items = nnx.to_flat_state(params)
     feedback_items = nnx.to_flat_state(feedback)
+    sown_items = nnx.to_flat_state(sown)
     rest_items = nnx.to_flat_state(rest)
     stored = {path: (dim, ndim) for path, dim, ndim in info.dims}
+    emptied = [_emptied(info, path, var.get_value()) for path, var in sown_items]
+    sown_types: dict[str, tuple] = {}  # what the call sowed: name -> (path, variable type)
 
     def run(values, rest_values, call_args, call_kwargs):
         module = nnx.merge(
             graphdef,
             with_values(param_items, [values[p] for p, _ in param_items]),
             with_values(feedback_items, [jnp.zeros((), v.dtype) for _, v in feedback_items]),
+            with_values(sown_items, emptied),
             with_values(rest_items, rest_values),
         )
         for _, sub in nnx.iter_modules(module):
             if isinstance(sub, nnx.BatchNorm) and sub.axis_name is None:
                 sub.axis_name = AXES  # statistics of the global batch
         out = base.__call__(module, *call_args, **call_kwargs)
-        return out, [v.get_value() for _, v in nnx.to_flat_state(nnx.state(module, _REST))]
+        new_rest = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(module, _REST))]
+        new_sown = {}
+        for path, var in nnx.to_flat_state(nnx.state(module, _SOWN)):
+            value = var.get_value()
+            # nnx.capture's record: {name: value} in the module's __captures__
+            entries = value.items() if isinstance(value, dict) else [(None, value)]
+            owner = path[:-2] if isinstance(value, dict) else path[:-1]
+            for key, v in entries:
+                if jax.tree.leaves(v):
+                    name = "/".join(str(k) for k in (*owner, key if key else path[-1]))
+                    sown_types[name] = (path, type(var), key)
+                    new_sown[name] = v
+        return out, new_rest, new_sown
 
-    out, new_rest = run_unit(
+    kinds = [_state_kind(var) for _, var in rest_items]
+    out, new_rest, new_sown = run_unit(
         info,
-        type(self).__name__,
         [(p, var.get_value(), *stored[p]) for p, var in param_items],
-        [(var.get_value(), isinstance(var, nnx.RngKey)) for _, var in rest_items],
+        [(var.get_value(), kind) for (_, var), kind in zip(rest_items, kinds, strict=True)],
         feedback_items[0][1].get_value() if feedback_items else None,
         args,
         kwargs,
         run,
     )
     nnx.update(self, with_values(rest_items, new_rest))
+    for name, value in new_sown.items():
+        _merge_sown(self, info, *sown_types[name], value)
     return out
+
+
+def _state_kind(var: nnx.Variable) -> str:
+    if isinstance(var, nnx.RngKey):
+        return "key"
+    return "cache" if isinstance(var, nnx.Cache) else "state"
+
+
+def _emptied(info: UnitInfo, path, value):
+    """A sown value as it is before any sow: each device's call then sows
+    only its own values, which are combined and appended afterwards."""
+    if isinstance(value, dict):  # nnx.capture's record: one dict per variable type
+        return {}
+    if isinstance(value, tuple):  # sow's default reduction
+        return ()
+    raise UsageError(
+        f"unit {info.name} holds the sown value {'/'.join(map(str, path))} from an earlier call, "
+        f"reduced to a {type(value).__name__}; zpp merges sown values across devices only with "
+        "sow's default tuple reduction: use nnx.capture, or nnx.pop(model, nnx.Intermediate) "
+        "between calls"
+    )
+
+
+def _merge_sown(module: nnx.Module, info: UnitInfo, path, var_type: type, key, value) -> None:
+    """Add what one call of a unit sowed (combined over the devices) to
+    `module`, as sow's default reduction would: tuples appended. `key`: the
+    entry of an `nnx.capture` record (a dict) at `path`, None for a sown
+    attribute."""
+    owner = _get(module, path[:-1])
+    var = owner[path[-1]] if _is_container(owner) else getattr(owner, path[-1], None)
+    if var is None:
+        setattr(owner, path[-1], var_type(value))
+    elif key is None:
+        var.set_value(append_sown(info, path[-1], var.get_value(), value))
+    else:
+        record = dict(var.get_value())
+        record[key] = append_sown(info, key, record[key], value) if key in record else value
+        var.set_value(record)
 
 
 def has_stacked_units(model: nnx.Module) -> bool:

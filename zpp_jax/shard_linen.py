@@ -36,9 +36,13 @@ from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.partition import quant_float_dtypes
 from zpp_jax.unit import (
+    Outputs,
     UnitInfo,
+    append_sown,
     check_block_sizes,
+    check_outputs,
     check_units,
+    expect_units,
     place,
     run_unit,
     shard_dim,
@@ -116,7 +120,34 @@ class ShardedLinen:
         self.units = units
 
     def apply(self, variables, *args, **kwargs):
-        with nn.intercept_methods(self._intercept):
+        """The module's ``apply``, its units through the engine. Jitted
+        methods of the module's own (``nn.jit``) are traced inline, anew
+        each time, so that the units take effect in every trace instead of
+        a cached one from before sharding. An eager call is compiled as a
+        whole (the units cannot run under an eager ``shard_map``).
+
+        Raises:
+          UsageError: the module's ``__call__`` called no unit.
+        """
+        leaves, tree = jax.tree.flatten((variables, args, kwargs))
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return self._apply(variables, args, kwargs)
+        arrays = [isinstance(x, jax.Array | np.ndarray) for x in leaves]
+
+        def traced(values):
+            it = iter(values)
+            full = [next(it) if a else x for x, a in zip(leaves, arrays, strict=True)]
+            return self._apply(*jax.tree.unflatten(tree, full))
+
+        return jax.jit(traced)([x for x, a in zip(leaves, arrays, strict=True) if a])
+
+    def _apply(self, variables, args, kwargs):
+        whole = kwargs.get("method") in (None, "__call__")  # another method may use no unit
+        with (
+            expect_units("the model's __call__", whole),
+            nn.intercept_methods(self._intercept),
+            jax.disable_jit(),
+        ):
             return self.module.apply(variables, *args, **kwargs)
 
     def __getattr__(self, name):
@@ -143,16 +174,26 @@ def _call_unit(module: nn.Module, info: UnitInfo, args, kwargs):
         residual = dict(variables.get(RESIDUALS, {})).get("residual")
         if residual is None:
             raise UsageError(
-                f"unit {'/'.join(module.path)} has no error-feedback residual: pass the "
+                f"unit {info.name} has no error-feedback residual: pass the "
                 f"{RESIDUALS!r} collection that shard_linen returned to apply, and take its "
                 "gradient (the next step's residuals)"
             )
-    mutable = [c for c in others if module.is_mutable_collection(c)]
     rng_names = sorted(module.scope.rngs) if module.scope.rngs else []
     rng_keys = [module.make_rng(r) for r in rng_names]
-    other_items = [(c, p, v) for c, tree in others.items() for p, v in tree.items()]
+    # Tuples in a collection are what `sow` made: each device's call sows
+    # into none, and what it sows is combined over the devices and appended.
+    flat = [(c, p, v) for c, tree in others.items() for p, v in tree.items()]
+    other_items = [(c, p, v) for c, p, v in flat if not isinstance(v, tuple)]
+    sown_before = {(c, p): v for c, p, v in flat if isinstance(v, tuple)}
     stored = {key: (dim, ndim) for key, dim, ndim in info.dims}
     unbound = module.clone(parent=None)
+    # The collections the caller's apply may change, new ones (a first sow) included.
+    mutable = [c for c in others if module.is_mutable_collection(c)]
+    if module.scope.mutable is True or isinstance(module.scope.mutable, str):
+        mutable = module.scope.mutable
+    elif module.scope.mutable:
+        mutable = [c for c in module.scope.mutable if c not in ("params", RESIDUALS)]
+    sown_at: dict[str, tuple] = {}  # what the call sowed: name -> (collection, path)
 
     def run(values, state_values, call_args, call_kwargs):
         tree = {"params": unflatten_dict(values)}
@@ -170,27 +211,40 @@ def _call_unit(module: nn.Module, info: UnitInfo, args, kwargs):
                 )
         finally:
             _ON_DEVICE.reset(token)
-        flat_updates = {c: flatten_dict(dict(t)) for c, t in updates.items()}
+        flat_updates = {c: flatten_dict(dict(t)) for c, t in updates.items() if c != "params"}
         new = [
             flat_updates.get(c, {}).get(p, v)
             for (c, p, _), v in zip(other_items, state_values, strict=False)
         ]
-        return out, new + list(state_values[len(other_items) :])
+        state_keys = {(c, p) for c, p, _ in other_items}
+        sown = {}
+        for c, items in flat_updates.items():
+            for p, v in items.items():
+                if (c, p) not in state_keys:
+                    sown_at["/".join((c, *p))] = (c, p)
+                    sown[("/".join((c, *p)))] = v
+        return out, new + list(state_values[len(other_items) :]), sown
 
-    out, new_state = run_unit(
+    out, new_state, sown = run_unit(
         info,
-        "/".join(module.path),
         [(p, v, *stored[p]) for p, v in params.items()],
-        [(v, False) for _, _, v in other_items] + [(k, True) for k in rng_keys],
+        [(v, "state") for _, _, v in other_items] + [(k, "key") for k in rng_keys],
         residual,
         args,
         kwargs,
         run,
     )
-    for c in mutable:
-        tree = unflatten_dict(
-            {p: v for (col, p, _), v in zip(other_items, new_state, strict=False) if col == c}
+    final = {(c, p): v for (c, p, _), v in zip(other_items, new_state, strict=False)}
+    final.update(sown_before)
+    for name, value in sown.items():
+        key = sown_at[name]
+        final[key] = (
+            append_sown(info, name, sown_before[key], value) if key in sown_before else value
         )
+    for c in {c for c, _ in final}:
+        if not module.is_mutable_collection(c):
+            continue
+        tree = unflatten_dict({p: v for (col, p), v in final.items() if col == c})
         for name, value in tree.items():
             module.put_variable(c, name, value)
     return out
@@ -224,6 +278,8 @@ def shard_linen(
     config: ZeroPPConfig | None = None,
     policy: Callable[[tuple], bool] | Sequence[tuple] | None = None,
     compute_dtype=None,
+    *,
+    outputs: Outputs = None,
 ) -> tuple[ShardedLinen, dict]:
     """Shard a Linen model for ZeRO++ over `mesh`.
 
@@ -240,6 +296,9 @@ def shard_linen(
         `default_linen_units`.
       compute_dtype: cast each unit's gathered weights (mixed precision);
         default None keeps the model's own dtypes.
+      outputs: how a unit's outputs that are not per example combine over
+        the devices, as for `zpp_jax.shard.shard` (unit paths are joined
+        with "/"; what a unit sows is named ``sow['<collection>/<path>']``).
 
     With ``config.error_feedback`` the variables also hold a ``"zpp_residuals"``
     collection (`RESIDUALS`): one zero residual per unit, split over the
@@ -253,6 +312,7 @@ def shard_linen(
         overlapping units, a non-floating parameter.
     """
     config = ZeroPPConfig() if config is None else config
+    check_outputs(outputs)
     if isinstance(module, ShardedLinen):
         raise UsageError(
             "this model is already sharded (zpp.shard_linen ran on it): use it as it is, or "
@@ -293,7 +353,7 @@ def shard_linen(
             for p in params
             if p[: len(unit)] == unit
         )
-        infos[unit] = UnitInfo(mesh, config, dtype, dims)
+        infos[unit] = UnitInfo(mesh, config, dtype, dims, name="/".join(unit), outputs=outputs)
     replicated = NamedSharding(mesh, P())
     out = {c: jax.device_put(dict(v), replicated) for c, v in variables.items() if c != "params"}
     out["params"] = unflatten_dict(sharded)

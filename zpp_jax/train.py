@@ -43,6 +43,7 @@ from zpp_jax.shard import (
     unrolls_layer_loops,
     value_and_grad,
 )
+from zpp_jax.unit import expect_units
 
 LossFn = Callable[[nnx.Module, dict], jax.Array]
 
@@ -212,10 +213,11 @@ class Trainer:
     def _train_step(self, state: nnx.State, batch: dict) -> tuple[nnx.State, dict]:
         self.check_batch_size(jax.tree.leaves(batch)[0].shape[0])
         model, optimizer = nnx.merge(self._graphdef, state, copy=True)
-        if self.grad_accum == 1:
-            loss, grads = value_and_grad(self.loss_fn)(model, batch)
-        else:
-            loss, grads = self._accumulate(model, batch)
+        with expect_units("the Trainer's loss_fn"):
+            if self.grad_accum == 1:
+                loss, grads = value_and_grad(self.loss_fn)(model, batch)
+            else:
+                loss, grads = self._accumulate(model, batch)
         grad_norm = jnp.sqrt(_squared_norm(grads, self._param_specs, self.mesh))
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if self.max_grad_norm is not None:

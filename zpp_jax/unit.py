@@ -12,9 +12,11 @@ over the global batch, so the reduction sums the devices' gradients.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -45,6 +47,36 @@ class UnitInfo:
     compute_dtype: Any
     dims: tuple[tuple[Any, int | None, int], ...]  # (key, split dimension, ndim) as stored
     stacked: bool = False  # a stack of layers, called inside a layer loop
+    name: str = "<unit>"  # its path in the model, for messages and `outputs`
+    outputs: Any = None  # how outputs that are not per-example combine (`combine_outputs`)
+
+
+# The unit calls of the current `expect_units` block (None outside one).
+_UNIT_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "zpp_unit_calls", default=None
+)
+
+
+@contextlib.contextmanager
+def expect_units(what: str, enabled: bool = True) -> Iterator[None]:
+    """Raise UsageError if the block calls no unit (unless not `enabled`).
+    A sharded model whose
+    call traces no unit runs with none of the engine (nothing sharded,
+    quantized or reduced), as when a cached trace of the model from before
+    it was sharded is reused."""
+    calls: list[str] = []
+    token = _UNIT_CALLS.set(calls)
+    try:
+        yield
+    finally:
+        _UNIT_CALLS.reset(token)
+    if enabled and not calls:
+        raise UsageError(
+            f"{what} called none of the model's units: a trace of the model made before it was "
+            "sharded (or with another config) was reused, so the engine would not run. Build "
+            "the jitted function after sharding; a jitted method of the model's own (nn.jit) "
+            "is traced anew by zpp"
+        )
 
 
 def check_units(units: Sequence[tuple], fix: str) -> None:
@@ -149,58 +181,49 @@ def zero_residual(
     return place(zeros, mesh, len(lead_shape))
 
 
-Run = Callable[[dict, list, tuple, dict], tuple[Any, list]]
+Run = Callable[[dict, list, tuple, dict], tuple[Any, list, dict]]
 
 
 def run_unit(
     info: UnitInfo,
-    name: str,
     params: Sequence[tuple[Any, jax.Array, int | None, int]],
-    state: Sequence[tuple[jax.Array, bool]],
+    state: Sequence[tuple[jax.Array, str]],
     residual: jax.Array | None,
     args: tuple,
     kwargs: dict,
     run: Run,
-) -> tuple[Any, list]:
+) -> tuple[Any, list, dict]:
     """Call a unit through the engine, in global view.
 
     Args:
       params: (key, value, split dimension as stored, ndim as stored) per
         parameter. Inside `nnx.scan` / `nnx.vmap` a value arrives without its
         leading stacking axes, and its split dimension moves down with them.
-      state: (value, is a random key) per other state array of the unit;
-        random keys are folded with the device index inside the call.
+      state: (value, kind) per other state array of the unit. Kind "key": a
+        random key, folded with the device index inside the call and
+        returned as it came in. Kind "cache": a decoding cache, split with
+        the batch when its leading axis is the batch's. Kind "state":
+        whole on every device, and it must come out the same on every
+        device (batch statistics averaged over the devices, counters).
       residual: the unit's error-feedback residual (with error feedback).
       run: ``run(params by key, state values, args, kwargs) -> (outputs, new
-        state values)``: the unit's own code, on one device.
+        state values, sown values)``: the unit's own code, on one device;
+        sown values (``sow``, `nnx.Intermediate`) by name.
 
-    Returns the outputs (the batch gathered back along the leading axis, other
-    float outputs averaged over the devices) and the new state values
-    (random keys as they came in).
+    Returns the outputs, the new state values and the sown values, each
+    output and sown value combined over the devices by `combine_outputs`.
     """
+    calls = _UNIT_CALLS.get()
+    if calls is not None:
+        calls.append(info.name)
     n = info.mesh.devices.size
-    split, whole = [], []
-    for key, value, dim, ndim in params:
-        lead = ndim - np.ndim(value)
-        if dim is not None and dim >= lead:
-            split.append((key, value, dim - lead))
-        else:
-            whole.append((key, value))
+    split, whole = _split_params(params)
     layout = None
     if split:
         layout = call_layout(
             info.config, [(np.shape(v), jnp.result_type(v), d) for _, v, d in split], n
         )
-        if info.config.error_feedback:
-            need = (n * collectives.residual_size(layout.shard_size, *mesh_shape(info.mesh)),)
-            if residual is None or np.shape(residual) != need:
-                raise UsageError(
-                    f"unit {name}'s error-feedback residual has shape "
-                    f"{None if residual is None else np.shape(residual)}, a call of it needs "
-                    f"{need}: it is called with parameters of other shapes than zpp.shard "
-                    "stored (a stack it did not recognize?); pass a policy, or turn error "
-                    "feedback off"
-                )
+        _check_residual(info, layout, residual)
     else:
         residual = None
 
@@ -209,7 +232,7 @@ def run_unit(
     batch = _batch_size(arg_items)
     if batch is not None and batch % n:
         raise UsageError(
-            f"unit {name} got a batch of {batch} rows, which does not split over the {n} "
+            f"unit {info.name} got a batch of {batch} rows, which does not split over the {n} "
             f"devices; use a global batch that is a multiple of {n}"
         )
 
@@ -221,11 +244,16 @@ def run_unit(
             and np.shape(x)[0] == batch
         )
 
-    keys = [is_key for _, is_key in state]
+    keys = [kind == "key" for _, kind in state]
+    per_row = [
+        kind == "cache" and batch is not None and np.ndim(v) >= 1 and np.shape(v)[0] == batch
+        for v, kind in state
+    ]
     arg_keys = [isinstance(v, nnx.RngKey) for _, v in arg_items]
 
     def fn(full, inputs):
-        """The unit's code on this device's rows: (outputs, new state)."""
+        """The unit's code on this device's rows: (outputs and sown values
+        with a leading device axis, new state, new arguments)."""
         rep, state_values, arg_values = inputs
         index = lax.axis_index(AXES)
         values = dict(zip([k for k, _, _ in split], full or [], strict=True))
@@ -235,7 +263,13 @@ def run_unit(
         call_args, call_kwargs = nnx.merge(
             arg_def, with_values(arg_items, _fold(arg_values, arg_keys, index))
         )
-        out, new_state = run(values, _fold(state_values, keys, index), call_args, call_kwargs)
+        out, new_state, sown = run(values, _fold(state_values, keys, index), call_args, call_kwargs)
+        if len(new_state) != len(state_values):
+            raise UsageError(
+                f"unit {info.name} made new state in its call ({len(state_values)} variables "
+                f"before, {len(new_state)} after); create a unit's variables (caches, "
+                "counters) before sharding it, e.g. init_cache before zpp.shard"
+            )
         _, new_arg_state = nnx.split((call_args, call_kwargs))
         new_args = [
             old if is_key or not isinstance(v, nnx.Variable) else v.get_value()
@@ -247,7 +281,7 @@ def run_unit(
             old if is_key else new
             for new, old, is_key in zip(new_state, state_values, keys, strict=True)
         ]
-        return jax.tree.map(lambda a: a[None], out), new_state, new_args
+        return jax.tree.map(lambda a: a[None], (out, sown)), new_state, new_args
 
     prefetch = prefetches(info.mesh)
     # Called outside any trace (an eager call of the model): the call is
@@ -278,22 +312,23 @@ def run_unit(
             return layer(shard, inputs, residual), None
         return layer.relayed(shard, inputs, residual, token)
 
+    state_specs = [P(AXES) if rows else P() for rows in per_row]
     mapped = jax.shard_map(
         local,
         mesh=info.mesh,
         in_specs=(
             [spec_along(np.ndim(v), d) for _, v, d in split],
             P(),
-            P(),
+            state_specs,
             [P(AXES) if is_batch(x) else P() for _, x in arg_items],
             None if residual is None else P(AXES),
             None if token is None else P(AXES),
         ),
-        out_specs=((P(AXES), P(), P()), None if token is None else P(AXES)),
+        out_specs=((P(AXES), state_specs, P()), None if token is None else P(AXES)),
         check_vma=False,
     )
     # The layer's custom_vjp cannot run under an eager shard_map: compile it.
-    (out, new_state, new_args), token = (jax.jit(mapped) if eager else mapped)(
+    (stacked, new_state, new_args), token = (jax.jit(mapped) if eager else mapped)(
         [v for _, v, _ in split],
         [v for _, v in whole],
         [v for v, _ in state],
@@ -311,8 +346,138 @@ def run_unit(
     if changed:  # random streams and other graph nodes passed in: their new state
         items, values = zip(*changed, strict=True)
         nnx.update((args, kwargs), with_values(items, values))
-    local_batch = None if batch is None else batch // n
-    return jax.tree.map(lambda a: _unstack(a, local_batch), out), new_state
+    out, sown = combine_outputs(info, stacked, None if batch is None else batch // n)
+    return out, new_state, sown
+
+
+def _split_params(params):
+    """(split: (key, value, dimension in the value), whole: (key, value))."""
+    split, whole = [], []
+    for key, value, dim, ndim in params:
+        lead = ndim - np.ndim(value)
+        if dim is not None and dim >= lead:
+            split.append((key, value, dim - lead))
+        else:
+            whole.append((key, value))
+    return split, whole
+
+
+def _check_residual(info: UnitInfo, layout: ParamLayout, residual) -> None:
+    if not info.config.error_feedback:
+        return
+    n = info.mesh.devices.size
+    need = (n * collectives.residual_size(layout.shard_size, *mesh_shape(info.mesh)),)
+    if residual is None or np.shape(residual) != need:
+        raise UsageError(
+            f"unit {info.name}'s error-feedback residual has shape "
+            f"{None if residual is None else np.shape(residual)}, a call of it needs "
+            f"{need}: it is called with parameters of other shapes than zpp.shard "
+            "stored (a stack it did not recognize?); pass a policy, or turn error "
+            "feedback off"
+        )
+
+
+# -- what comes out of a unit ---------------------------------------------------------
+
+COMBINES = ("batch", "mean", "sum")
+Outputs = str | Callable[[str, str], str | None] | None
+
+
+def check_outputs(outputs: Outputs) -> None:
+    """Raise UsageError unless `outputs` is a declaration `combine_outputs`
+    takes: None, "mean", "sum", or a function (unit, output) -> kind."""
+    if outputs is None or callable(outputs) or outputs in ("mean", "sum"):
+        return
+    raise UsageError(
+        f"outputs={outputs!r}: give None (units return per-example values only), 'mean' or "
+        "'sum' (how every unit's other outputs combine over the devices), or a function "
+        "(unit, output) -> 'batch' | 'mean' | 'sum' | None"
+    )
+
+
+def combine_outputs(info: UnitInfo, stacked: tuple, local_batch: int | None) -> tuple:
+    """A unit's outputs and sown values from every device's (stacked on a
+    leading device axis), by the rule of `zpp_jax.shard.shard`'s `outputs`:
+
+    * "batch": per-example values (leading axis the device's rows), put
+      back together into the global batch. The default for every output
+      whose leading axis has the rows' length.
+    * "mean" / "sum": the mean or the sum over the devices of each device's
+      value; exact for a mean or a sum over the batch's rows (each device
+      holds as many rows), wrong for anything else (a product of means).
+    * a unit called without a batch (no array argument) runs the same on
+      every device: its value, device 0's.
+
+    Any other output must be declared: a statistic over the batch computed
+    inside a unit is that device's, so it raises UsageError instead.
+    """
+    out, sown = stacked
+
+    def combine(prefix):
+        def one(path, a):
+            return _combine(info, prefix + jax.tree_util.keystr(path), a, local_batch)
+
+        return one
+
+    return (
+        jax.tree_util.tree_map_with_path(combine("output"), out),
+        jax.tree_util.tree_map_with_path(combine("sow"), sown),
+    )
+
+
+def _combine(info: UnitInfo, name: str, a: jax.Array, local_batch: int | None) -> jax.Array:
+    per_example = local_batch is not None and a.ndim >= 2 and a.shape[1] == local_batch
+    if isinstance(info.outputs, str):
+        kind = "batch" if per_example else info.outputs
+    else:
+        kind = info.outputs(info.name, name) if callable(info.outputs) else None
+        if kind not in (None, *COMBINES):
+            raise UsageError(
+                f"outputs({info.name!r}, {name!r}) returned {kind!r}; return one of {COMBINES} "
+                "or None (per-example if its leading axis is the batch's)"
+            )
+    if kind is None and local_batch is None:
+        return a[0]  # no batch: the same on every device
+    if kind is None and not per_example:
+        raise UsageError(_not_per_example(info, name, a, local_batch))
+    if kind in (None, "batch"):
+        if not per_example:
+            raise UsageError(
+                f"unit {info.name}: {name} is declared 'batch' but has shape {a.shape[1:]}, "
+                f"whose leading axis is not this device's {local_batch} rows"
+            )
+        return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
+    if kind == "mean" and not jnp.issubdtype(a.dtype, jnp.floating):
+        raise UsageError(
+            f"unit {info.name}: {name} is {a.dtype.name} and cannot be averaged over the "
+            "devices; declare it 'sum' (a count), or return it per example"
+        )
+    reduce = jnp.mean if kind == "mean" else jnp.sum
+    return reduce(a.astype(jnp.float32) if kind == "mean" else a, axis=0).astype(a.dtype)
+
+
+def append_sown(info: UnitInfo, name: str, have, new):
+    """A value sown again (the unit called twice): appended, as sow's
+    default tuple reduction does; any other reduction is refused."""
+    if isinstance(have, tuple) and isinstance(new, tuple):
+        return have + new
+    raise UsageError(
+        f"unit {info.name} sowed {name} again with a reduction other than sow's default "
+        "(a tuple); zpp cannot apply another reduction across devices: sow with the default, "
+        "or reduce the tuple after the call"
+    )
+
+
+def _not_per_example(info: UnitInfo, name: str, a: jax.Array, local_batch: int) -> str:
+    return (
+        f"unit {info.name} returned {name} of shape {a.shape[1:]} ({a.dtype.name}), which is "
+        f"not per example (its leading axis is not this device's {local_batch} rows of the "
+        "batch). A unit runs on each device's rows, so a statistic of the batch computed "
+        "inside it is that device's alone. Return per-example values and reduce them "
+        "outside the unit, or declare how it combines over the devices: zpp.shard(..., "
+        "outputs='mean') is exact for a mean over the rows, 'sum' for a sum over them, or a "
+        "function (unit, output) -> 'batch' | 'mean' | 'sum' | None for each output"
+    )
 
 
 class _Relay:
@@ -376,13 +541,3 @@ def with_values(items, values) -> nnx.State:
 def _fold(values, is_key, index):
     """Random keys folded with the device index; anything else as it is."""
     return [jax.random.fold_in(x, index) if k else x for x, k in zip(values, is_key, strict=True)]
-
-
-def _unstack(a, local_batch):
-    """Every device's output (N, ...) -> the global value: the batch again,
-    or the mean over devices of anything else (float), device 0's (other)."""
-    if local_batch is not None and a.ndim >= 2 and a.shape[1] == local_batch:
-        return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
-    if jnp.issubdtype(a.dtype, jnp.floating):
-        return jnp.mean(a, axis=0).astype(a.dtype)
-    return a[0]
