@@ -16,8 +16,12 @@ Inside a unit call each device runs the unit's code on its rows of the batch:
 * array arguments whose leading axis has the length of the first array
   argument's are split with it along that axis; other arguments (positions,
   flags, tables) reach every device whole;
-* outputs with that leading axis come back as one batch; other float outputs
-  are averaged over the devices (right for a per-batch mean);
+* outputs (and values the unit sows) with that leading axis come back as
+  one batch; any other output is a statistic of this device's rows alone,
+  so it raises a UsageError unless `shard`'s `outputs` declares how it
+  combines ("mean", "sum": exact for a mean or a sum over the rows);
+* decoding caches (`nnx.Cache`) with the batch's leading axis are split
+  with it;
 * `nnx.BatchNorm` inside a unit averages its statistics over all devices, so
   they equal the statistics of the global batch;
 * random streams give every device its own key (folded with the device
