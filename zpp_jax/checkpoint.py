@@ -57,33 +57,35 @@ def _errors_raised_not_logged() -> Iterator[None]:
         logger.setLevel(level)
 
 
-class _FailedWriteNoise(logging.Filter):
-    """What a failed save leaves behind after its error is raised: the
+@contextlib.contextmanager
+def _failed_write_noise_dropped() -> Iterator[None]:
+    """What a failed save leaves behind once its error is raised: the
     TensorStore writes still in flight complete into orbax's event loop,
     already closed, and each raises an unraisable ``RuntimeError: Event
-    loop is closed``; the tasks that failed are logged as "never retrieved"
-    when collected. Dozens of tracebacks, up to the end of the process, for
-    an error already reported. `install` drops exactly those (and nothing
-    else) for the rest of the process; it is idempotent."""
+    loop is closed``; the orbax tasks that failed are logged as "never
+    retrieved" when collected. Dozens of tracebacks, up to the end of the
+    process, for an error already reported. Inside the block exactly those
+    are dropped (nothing else); after a failure, for the rest of the
+    process, as the noise goes on."""
+    previous = sys.unraisablehook
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (message.startswith("Task exception was never retrieved") and "orbax" in message)
+    def hook(unraisable) -> None:
+        e = unraisable.exc_value
+        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+            previous(unraisable)
 
-    @classmethod
-    def install(cls) -> None:
-        previous = sys.unraisablehook
-        if getattr(previous, "_zpp_failed_write_noise", False):
-            return
-
-        def hook(unraisable) -> None:
-            e = unraisable.exc_value
-            if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
-                previous(unraisable)
-
-        hook._zpp_failed_write_noise = True
-        sys.unraisablehook = hook
-        logging.getLogger("asyncio").addFilter(cls())
+    never_retrieved = logging.Filter()
+    never_retrieved.filter = lambda record: (
+        not (
+            record.getMessage().startswith("Task exception was never retrieved")
+            and "orbax" in record.getMessage()
+        )
+    )
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(never_retrieved)
+    yield  # an exception leaves both in place
+    sys.unraisablehook = previous
+    logging.getLogger("asyncio").removeFilter(never_retrieved)
 
 
 def _cause(e: BaseException) -> str:
@@ -131,9 +133,8 @@ class Checkpointer:
             None,
         )
         meta = {"step": int(step), "mesh": mesh, **meta}
-        _FailedWriteNoise.install()  # before: the noise starts while the save fails
         try:
-            with _errors_raised_not_logged():
+            with _failed_write_noise_dropped(), _errors_raised_not_logged():
                 self._manager.save(
                     int(step),
                     args=ocp.args.Composite(
