@@ -1,3 +1,5 @@
+import argparse
+import re
 import subprocess
 import sys
 
@@ -6,6 +8,7 @@ import pytest
 
 from zpp_jax import ZeroPPConfig
 from zpp_jax.cli import _config_from_args, build_parser, main
+from zpp_jax.errors import Number
 
 TINY_DEMO = ["--steps", "3", "--layers", "2", "--d-model", "32", "--d-ff", "64"]
 TINY_DEMO += ["--seq", "8", "--batch", "8"]
@@ -83,57 +86,51 @@ def test_module_entry_point():
     [
         (["demo", "--batch", "6", "--steps", "1"], "must be a multiple of the 8 devices"),
         (["demo", "--nodes", "3", "--local", "4"], "does not match the 8 devices"),
-        (["demo", "--block-size", "0"], "block_size must be a positive int"),
-        (["demo", "--batch", "0"], "--batch must be positive, got 0"),
-        (["demo", "--d-model", "0"], "--d-model must be positive, got 0"),
-        (["demo", "--seq", "0"], "--seq must be positive, got 0"),
-        (["demo", "--layers", "0"], "--layers must be positive, got 0"),
-        (["demo", "--layers", "-1"], "--layers must be positive, got -1"),
-        (["demo", "--nodes", "0"], "nodes must be a positive int, got 0"),
-        (["demo", "--lr", "nan"], "--lr must be a positive finite learning rate"),
+        (
+            ["demo", "--block-size", "0"],
+            "argument --block-size: must be an int from 1 to 16,777,216",
+        ),
+        (["demo", "--layers", "-1"], "argument --layers: must be an int from 1 to"),
+        (["demo", "--lr", "nan"], "argument --lr: must be a finite number, got nan"),
         (
             ["train", "--batch", "12", "--steps", "1", "--quiet"],
             "global batch 12 must be a multiple of devices x grad_accum = 8 x 1",
         ),
         (["train", "--model", "huge", "--steps", "1", "--quiet"], "unknown model size 'huge'"),
         (["train", "--resume", "--steps", "1", "--quiet"], "need --ckpt-dir"),
-        (["train", "--clip", "-1", "--quiet"], "--clip must be a positive finite gradient norm"),
-        (["train", "--clip", "nan", "--quiet"], "--clip must be a positive finite gradient norm"),
-        (["train", "--lr", "nan", "--quiet"], "--lr must be a positive finite learning rate"),
-        (["train", "--lr", "0", "--quiet"], "--lr must be a positive finite learning rate"),
-        (["train", "--seq", "0", "--quiet"], "--seq must be a positive number of tokens"),
-        (["train", "--warmup", "-1", "--quiet"], "--warmup must be an int from 0 to 2,147,483,647"),
-        (["train", "--seed", "-1", "--quiet"], "--seed must be an int from 0 to 4,294,967,295"),
-        (["train", "--seed", str(10**30), "--quiet"], "--seed must be an int from 0 to"),
-        (["train", "--steps", str(10**30), "--quiet"], "--steps must be an int from 1 to"),
-        (["train", "--batch", str(2**33), "--quiet"], "--batch must be an int from 1 to"),
-        (["train", "--batch", str(2**27), "--quiet"], "tokens a step, more than int32 indexing"),
-        (["train", "--ckpt-every", str(10**30), "--quiet"], "--ckpt-every must be an int from 0"),
-        (["train", "--eval-every", str(10**30), "--quiet"], "--eval-every must be an int from 0"),
-        (["train", "--grad-accum", "32", "--quiet"], "--grad-accum must be an int from 1 to 16"),
-        (["train", "--nodes", str(10**30), "--quiet"], "CPU devices in one process; XLA:CPU"),
-        (["train", "--nodes", "64", "--local", "64"], "= 4,096 CPU devices in one process"),
-        (["train", "--stages", str(10**30), "--quiet"], "--stages x --nodes x --local = "),
-        (["demo", "--nodes", "64", "--local", "64"], "--nodes x --local = 4,096 CPU devices"),
-        (["comm", "--nodes", "64", "--local", "64"], "--nodes x --local = 4,096 CPU devices"),
-        (["comm", "--seq", "0"], "--seq must be a positive number of tokens, got 0"),
-        (["train", "--gradient-block-size", str(10**30)], "gradient_block_size must be at most"),
-        (["train", "--block-size", "1048576", "--steps", "1"], "block_size=1,048,576 is larger"),
-        (["train", "--tokenizer", "bpe:99999999", "--quiet"], "N must be an integer from 257 to"),
+        (["train", "--clip", "-1"], "argument --clip: must be a number > 0 (a gradient norm)"),
+        (["train", "--lr", "0"], "argument --lr: must be a number > 0 (a learning rate), got 0"),
         (["train", "--resume", "--overwrite", "--ckpt-dir", "d"], "pass one"),
         (["train", "--data", "/nonexistent/corpus.txt", "--quiet"], "no such file"),
         (["train", "--data", "/nonexistent/*.txt", "--quiet"], "the pattern matches no file"),
         (["train", "--tokenizer", "bpe:12", "--quiet"], "N must be an integer from 257 to"),
         (["train", "--metrics", "/", "--quiet"], "--metrics / is a directory"),
         (["train", "--ckpt-dir", "/etc/hostname", "--quiet"], "is a file, not a directory"),
+        (
+            ["train", "--seed", str(10**30)],
+            "argument --seed: must be an int from 0 to 4,294,967,295",
+        ),
+        (["train", "--batch", str(2**27), "--quiet"], "tokens a step, more than int32 indexing"),
+        (["train", "--grad-accum", "32", "--quiet"], "--grad-accum 32 splits --batch 16 into more"),
+        (["train", "--nodes", str(2**31 - 1)], "CPU devices in one process; XLA:CPU"),
+        (["train", "--nodes", "64", "--local", "64"], "= 4,096 CPU devices in one process"),
+        (["train", "--stages", "100000"], "--stages x --nodes x --local = 800,000 CPU devices"),
+        (["demo", "--nodes", "64", "--local", "64"], "--nodes x --local = 4,096 CPU devices"),
+        (["comm", "--nodes", "64", "--local", "64"], "--nodes x --local = 4,096 CPU devices"),
+        (["comm", "--seq", "0"], "argument --seq: must be an int from 1 to"),
+        (["train", "--block-size", "1048576", "--steps", "1"], "block_size=1,048,576 is larger"),
+        (["train", "--tokenizer", "bpe:99999999", "--quiet"], "N must be an integer from 257 to"),
         (["plan", "--layers", "0", "--hidden", "8", "--seq", "8", "--stages", "1"], "--layers"),
-        (["comm", "--persistence-threshold", "-1"], "persistence_threshold must be an int >= 0"),
+        (["comm", "--persistence-threshold", "-1"], "argument --persistence-threshold: must be"),
+        (["train", "--steps", "abc"], "argument --steps: 'abc' is not an integer"),
+        (["train", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and message in err and err.startswith("zpp ")
+    assert len(err.splitlines()) == 1 and message in err
+    assert re.match(r"zpp( \w+)?: error: ", err), err
 
 
 def test_internal_errors_keep_their_traceback(monkeypatch):
@@ -148,3 +145,40 @@ def test_internal_errors_keep_their_traceback(monkeypatch):
     with pytest.raises(ValueError, match="equal division") as info:
         main(["demo", *TINY_DEMO])
     assert not isinstance(info.value, zpp_jax.UsageError)
+
+
+# What each subcommand needs besides the flag under test to parse.
+_NEEDS = {"plan": ["--seq", "64", "--stages", "2"]}
+
+
+def _numeric_flags():
+    """(subcommand, flag, its type) for every flag of every subcommand that
+    takes a number; `choices` flags name their values instead."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command, sub in commands.choices.items():
+        for action in sub._actions:
+            if action.option_strings and action.type is not None and not action.choices:
+                yield command, action.option_strings[0], action.type
+
+
+def test_every_numeric_flag_is_checked_by_the_parser(capsys):
+    """The rule, for every subcommand's numeric flags, new ones included:
+    each takes a `zpp_jax.errors.Number` (a range, written once), and 0,
+    -1, NaN and a huge value are each either in its range or refused
+    before any work with one line naming the flag, status 2."""
+    flags = list(_numeric_flags())
+    assert len(flags) > 40
+    for command, flag, kind in flags:
+        assert isinstance(kind, Number), f"zpp {command} {flag} takes {kind}: give it a Number"
+        for value in ("0", "-1", "nan", str(10**30)):
+            try:
+                kind(value)
+                continue  # in range: the flag takes it
+            except argparse.ArgumentTypeError:
+                pass
+            assert main([command, *_NEEDS.get(command, []), flag, value]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith(f"zpp {command}: error: argument {flag}"), (
+                err
+            )

@@ -100,8 +100,11 @@ def test_cli_json(capsys):
         assert {"kind", "dtypes", "bytes", "replica_groups", "runs", "spans_nodes"} <= set(
             c["collectives"][0]
         )
-    with pytest.raises(SystemExit):
-        main(["comm", "--configs"])
+    capsys.readouterr()
+    assert main(["comm", "--configs"]) == 2  # argparse: one line, status 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "zpp comm: error: argument --configs: expected at least one argument"
+    ]
 
 
 _SCHEDULED = """\

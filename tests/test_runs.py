@@ -209,7 +209,7 @@ def test_outputs_in_use_are_refused_naming_the_holder(tmp_path):
     goes with its holder, however that ends (here a SIGKILLed process)."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     out = dict(ckpt_dir=str(ckpt), metrics=str(metrics), plot=None)
-    (ckpt / "2").mkdir(parents=True)
+    (ckpt / "2" / "state").mkdir(parents=True)  # what a checkpoint holds
     metrics.write_text('{"step": 1}\n{"step": 2}\n')
     for held in (dict(ckpt_dir=str(ckpt)), dict(metrics=str(metrics))):
         with OutputLock(dataclasses.replace(BASE, **held)), pytest.raises(OutputError) as refused:
@@ -220,7 +220,7 @@ def test_outputs_in_use_are_refused_naming_the_holder(tmp_path):
         )
         assert metrics.read_text() == '{"step": 1}\n{"step": 2}\n'
         assert sorted(p.name for p in ckpt.iterdir()) == [".zpp-lock", "2"]
-        assert not any((ckpt / "2").iterdir())
+        assert [p.name for p in (ckpt / "2").iterdir()] == ["state"]
     # Held by a process that is then SIGKILLed: free again.
     script = (
         "import sys, time\n"

@@ -58,20 +58,24 @@ def _errors_raised_not_logged() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _failed_write_noise_dropped() -> Iterator[None]:
-    """What a failed save leaves behind once its error is raised: the
-    TensorStore writes still in flight complete into orbax's event loop,
-    already closed, and each raises an unraisable ``RuntimeError: Event
-    loop is closed``; the orbax tasks that failed are logged as "never
-    retrieved" when collected. Dozens of tracebacks, up to the end of the
-    process, for an error already reported. Inside the block exactly those
-    are dropped (nothing else); after a failure, for the rest of the
-    process, as the noise goes on."""
+def _orbax_noise_dropped() -> Iterator[None]:
+    """What a failed save or restore leaves behind once its error is
+    raised: the TensorStore operations still in flight complete into
+    orbax's event loop, already closed, and each raises an unraisable
+    ``RuntimeError: Event loop is closed``; orbax's coroutines that failed
+    are reported as unraisable when dropped, or logged as "never retrieved"
+    when collected. Thousands of lines, up to
+    the end of the process, for an error already reported (or a damaged
+    checkpoint already skipped). Inside the block exactly those are dropped
+    (nothing else); after a failure, for the rest of the process, as the
+    noise goes on."""
     previous = sys.unraisablehook
 
     def hook(unraisable) -> None:
         e = unraisable.exc_value
-        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+        closed = isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+        code = getattr(unraisable.object, "cr_code", None)  # a coroutine of orbax's, dropped
+        if not (closed or (code is not None and "orbax" in code.co_filename)):
             previous(unraisable)
 
     never_retrieved = logging.Filter()
@@ -104,12 +108,55 @@ def _cause(e: BaseException) -> str:
     return first[:300]
 
 
+# What a step directory `Checkpointer.save` wrote holds (one of them is
+# left even when it is damaged).
+_CHECKPOINT_ENTRIES = ("state", "meta", "_CHECKPOINT_METADATA", "commit_success.txt")
+
+
+def is_checkpoint(path: pathlib.Path) -> bool:
+    """Whether `path` is a step directory `Checkpointer.save` wrote (named
+    by its step, holding orbax's items), complete or damaged."""
+    return (
+        path.name.isdigit()
+        and path.is_dir()
+        and any((path / entry).exists() for entry in _CHECKPOINT_ENTRIES)
+    )
+
+
+def check_directory(directory: pathlib.Path, what: str = "checkpoint directory") -> None:
+    """Raise UsageError unless `directory` is absent or a directory whose
+    entries named by a number are all checkpoints (a user's own ``2023/``
+    there would be restored as a step, renamed as damaged, or deleted as an
+    old checkpoint)."""
+    if directory.is_symlink() and not directory.exists():
+        raise UsageError(f"{what} {directory}: a symbolic link that reaches no directory (a loop?)")
+    if not directory.exists():
+        return
+    if not directory.is_dir():
+        raise UsageError(f"{what} {directory} is a file, not a directory")
+    foreign = sorted(
+        p.name for p in directory.iterdir() if p.name.isdigit() and not is_checkpoint(p)
+    )
+    if foreign:
+        raise UsageError(
+            f"{what} {directory} holds {', '.join(foreign)}, named like a checkpoint step but "
+            "not one: move them out, or choose another directory (zpp names its checkpoints "
+            "by step, and would take them for its own)"
+        )
+
+
 class Checkpointer:
     """Save and restore state trees under `directory`, one subdirectory per
     step; keeps the newest `max_to_keep`."""
 
     def __init__(self, directory: str | pathlib.Path, max_to_keep: int = 3) -> None:
+        """Raises UsageError for a `directory` that is a file, or that holds
+        entries named by a number that are not checkpoints (orbax would
+        take them for steps: restore them, or delete them as old ones)."""
         self.directory = pathlib.Path(directory).absolute()
+        if not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool) or max_to_keep < 1:
+            raise UsageError(f"max_to_keep must be a positive int, got {max_to_keep!r}")
+        check_directory(self.directory)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
@@ -134,7 +181,7 @@ class Checkpointer:
         )
         meta = {"step": int(step), "mesh": mesh, **meta}
         try:
-            with _failed_write_noise_dropped(), _errors_raised_not_logged():
+            with _orbax_noise_dropped(), _errors_raised_not_logged():
                 self._manager.save(
                     int(step),
                     args=ocp.args.Composite(
@@ -169,10 +216,12 @@ class Checkpointer:
 
     @staticmethod
     def steps_in(directory: str | pathlib.Path) -> list[int]:
-        """The complete checkpoints in `directory`, in order, as `all_steps`
-        counts them; read without creating the directory (none if it does
-        not exist)."""
-        return sorted(ocp.utils.checkpoint_steps(directory))
+        """The checkpoints in `directory` (`is_checkpoint`), in order; read
+        without creating the directory (none if it does not exist)."""
+        folder = pathlib.Path(directory)
+        if not folder.is_dir():
+            return []
+        return sorted(int(p.name) for p in folder.iterdir() if is_checkpoint(p))
 
     def set_aside(self, step: int) -> pathlib.Path:
         """Rename checkpoint `step` to ``<step>.damaged`` (``.damaged-2``, ...
@@ -194,9 +243,11 @@ class Checkpointer:
 
     def read_meta(self, step: int) -> dict:
         """The JSON metadata of checkpoint `step` (no arrays are read)."""
-        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-            "meta"
-        ]
+        with _orbax_noise_dropped(), _errors_raised_not_logged():
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )
+        return restored["meta"]
 
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
         """Checkpoint `step` (default: the latest) restored into the structure
@@ -243,9 +294,10 @@ class Checkpointer:
             request[key] = jax.ShapeDtypeStruct(
                 tuple(meta_key.shape), meta_key.dtype, sharding=host
             )
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(request))
-        )["state"]
+        with _orbax_noise_dropped(), _errors_raised_not_logged():
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(request))
+            )["state"]
         for key in reset:
             t = wanted[key]
             restored[key] = jax.device_put(np.zeros(t.shape, t.dtype), t.sharding)

@@ -214,6 +214,19 @@ class ZeroPPConfig:
         base.update(overrides)
         return cls(**base)
 
+    @classmethod
+    def check(cls, config, name: str = "config") -> ZeroPPConfig:
+        """`config`, or the defaults for None; raises UsageError for anything
+        that is not a ZeroPPConfig (a dict of its fields, say)."""
+        if config is None:
+            return cls()
+        if not isinstance(config, cls):
+            raise UsageError(
+                f"{name} must be a zpp.ZeroPPConfig (or None for the defaults), got "
+                f"{type(config).__name__}; e.g. zpp.ZeroPPConfig(**fields)"
+            )
+        return config
+
     def replace(self, **changes) -> ZeroPPConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +45,23 @@ ENV_INIT_TIMEOUT = "ZPP_INIT_TIMEOUT"
 # collective over more devices waits for threads that never come, and the
 # process aborts after 40 s.
 MAX_CPU_DEVICES = 256
+
+
+def coordinator(address: str) -> tuple[str, int]:
+    """(host, port) of a coordinator address ``host:port`` (``[::1]:port``
+    for IPv6).
+
+    Raises:
+      UsageError: `address` is not host:port with a port in 1..65535.
+    """
+    host, _, port = str(address).rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UsageError(
+            f"the coordinator address {address!r} is not host:port (e.g. 10.0.0.1:1234, a port "
+            f"from 1 to 65535); set ${ENV_COORDINATOR}"
+        )
+    return host, int(port)
 
 
 def check_cpu_devices(count: int, what: str) -> None:
@@ -94,6 +112,8 @@ class DistributedConfig:
                 f"{n} processes need a coordinator_address (host:port of process 0), "
                 f"e.g. via ${ENV_COORDINATOR}"
             )
+        if self.coordinator_address:
+            coordinator(self.coordinator_address)
         d = self.local_cpu_devices
         if d is not None and (not isinstance(d, int) or d <= 0):
             raise UsageError(f"local_cpu_devices must be a positive int, got {d!r}")
@@ -183,6 +203,7 @@ def initialize(
         # The service then keeps serving the others when a process is lost,
         # instead of making every agent abort; `_watch` tells them instead.
         jax.config.update("jax_enable_recoverability", True)
+    _check_coordinator(config)
     jax.distributed.initialize(
         coordinator_address=config.coordinator_address,
         num_processes=config.num_processes,
@@ -198,6 +219,42 @@ def initialize(
             target=_watch, args=(jax.process_count(), on_lost_peer), daemon=True
         ).start()
     return config
+
+
+def _check_coordinator(config: DistributedConfig) -> None:
+    """Before JAX's client connects (and aborts the process, with a C++
+    stack, when it cannot): process 0's coordinator port is free, and the
+    other processes reach it within the initialization timeout.
+
+    Raises:
+      UsageError: naming the address and the timeout.
+    """
+    if not config.coordinator_address or config.process_id is None:
+        return  # a cluster JAX detects says where the coordinator is
+    host, port = coordinator(config.coordinator_address)
+    if config.process_id == 0:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError as e:
+                raise UsageError(
+                    f"process 0 cannot serve as the coordinator on port {port}: {e.strerror or e}; "
+                    f"choose another port in ${ENV_COORDINATOR}"
+                ) from None
+        return
+    deadline = time.monotonic() + config.initialization_timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise UsageError(
+                    f"the coordinator at {config.coordinator_address} did not answer within "
+                    f"{config.initialization_timeout} s (${ENV_INIT_TIMEOUT}): start process 0 "
+                    f"first, or check ${ENV_COORDINATOR}"
+                ) from None
+            time.sleep(0.2)
 
 
 _watching = threading.Event()  # `initialize` started the watchdog

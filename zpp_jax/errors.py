@@ -1,5 +1,14 @@
 """The exception types for bad input and for outputs that cannot be
-written, and the checks every entry point shares."""
+written, and the checks every entry point shares: `Number` is the range
+of a numeric argument, checked the same way from the command line (as an
+argparse type) and from Python (`Number.check`); the path checks say
+whether an output can be written, before any work."""
+
+import argparse
+import dataclasses
+import math
+import os
+import pathlib
 
 
 class UsageError(ValueError):
@@ -36,10 +45,115 @@ def check_positive_ints(obj, names, prefix: str = "") -> None:
             raise UsageError(f"{prefix}{name} must be a positive int, got {v!r}")
 
 
-def check_int_range(name: str, value, low: int, high: int, why: str = "") -> None:
-    """Raise UsageError unless `value` is an int in [`low`, `high`]; `why`
-    (optional) says where the bound comes from."""
-    ok = isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-    if not ok:
-        reason = f" ({why})" if why else ""
-        raise UsageError(f"{name} must be an int from {low:,} to {high:,}{reason}, got {value!r}")
+INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Number:
+    """A numeric flag: `kind` (int or float) in [`low`, `high`] (None: no
+    bound); `above` makes `low` exclusive (a float that must be > 0).
+    Floats must be finite. `why` says where a bound comes from."""
+
+    kind: type = int
+    low: float | None = None
+    high: float | None = None
+    above: bool = False
+    why: str = ""
+
+    def __call__(self, text: str) -> int | float:
+        """The flag's value from the command line; an
+        `argparse.ArgumentTypeError` saying what is wrong otherwise."""
+        try:
+            value = self.kind(text)
+        except ValueError:
+            what = "an integer" if self.kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        problem = self.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{problem}, got {text}")
+        return value
+
+    def check(self, name: str, value) -> None:
+        """Raise UsageError unless `value` (given from Python) is in range."""
+        kinds = (int, float) if self.kind is float else (int,)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            kind = "an int" if self.kind is int else "a number"
+            raise UsageError(f"{name} must be {kind}, got {value!r}")
+        problem = self.problem(value)
+        if problem:
+            raise UsageError(f"{name} {problem}, got {value!r}")
+
+    def problem(self, value) -> str | None:
+        """What is wrong with `value`, or None."""
+        if self.kind is float and not math.isfinite(value):
+            return "must be a finite number"
+        too_low = self.low is not None and (value <= self.low if self.above else value < self.low)
+        too_high = self.high is not None and value > self.high
+        if not (too_low or too_high):
+            return None
+        return f"must be {self.describe()}" + (f" ({self.why})" if self.why else "")
+
+    def describe(self) -> str:
+        kind = "an int" if self.kind is int else "a number"
+        if self.low is not None and self.high is not None:
+            return f"{kind} from {self.low:,} to {self.high:,}"
+        if self.low is not None:
+            return f"{kind} {'>' if self.above else '>='} {self.low:,}"
+        return f"{kind} <= {self.high:,}"
+
+
+def count(low: int = 1, high: int = INT32_MAX, why: str = "") -> Number:
+    """An int flag in [low, high] (default: positive, within int32)."""
+    return Number(int, low, high, why=why)
+
+
+def positive(why: str = "") -> Number:
+    """A finite float flag > 0."""
+    return Number(float, 0, None, above=True, why=why)
+
+
+def check_writable_file(flag: str, path: pathlib.Path) -> None:
+    """Raise UsageError unless a file can be written at `path` (given as
+    `flag`): not a directory, writable if it exists, else its folder can
+    be made."""
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a directory; give a file name")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise UsageError(f"{flag} {path}: not writable")
+        return
+    check_creatable(f"{flag} {path}", path.parent)
+
+
+def is_stream(path: str) -> bool:
+    """Whether a `--metrics` path is a stream: ``-`` (standard output), a
+    path under /dev or /proc (``/dev/stdout``, ``/dev/full``), or an
+    existing path that is neither a regular file nor a directory (a FIFO,
+    a socket, a device). A stream is written in order and never read back,
+    cut, renamed over or replaced."""
+    if path == "-":
+        return True
+    given = pathlib.Path(path).absolute()
+    if given.is_dir():
+        return False
+    for p in (given, pathlib.Path(os.path.realpath(given))):
+        if p.parts[1:2] in (("dev",), ("proc",)):
+            return True
+    return given.exists() and not given.is_file()
+
+
+def check_stream(flag: str, path: str) -> None:
+    """Raise UsageError unless the stream `path` (given as `flag`) can be written."""
+    if path != "-" and not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {path}: not writable (or does not exist)")
+
+
+def check_creatable(what: str, directory: pathlib.Path) -> None:
+    """`directory` exists and is writable, or can be created."""
+    p = directory.absolute()
+    while not p.exists():
+        p = p.parent
+    if not p.is_dir():
+        raise UsageError(f"{what}: {p} is a file, not a directory")
+    if not os.access(p, os.W_OK):
+        raise UsageError(f"{what}: {p} is not writable")

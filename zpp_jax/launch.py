@@ -36,9 +36,32 @@ from zpp_jax.distributed import (
     ENV_LOCAL_CPU_DEVICES,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
-    check_cpu_devices,
+    MAX_CPU_DEVICES,
 )
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import Number, UsageError, count
+
+# The ranges of `launch`'s arguments, which the `zpp launch` flags take.
+RANGES = {
+    "nodes": count(1, 1024, "processes on this machine"),
+    "local": count(1, MAX_CPU_DEVICES, "CPU devices a process: XLA:CPU's limit"),
+    "port": count(1, 65535, "a TCP port"),
+    "heartbeat_timeout": count(why="seconds"),
+    "init_timeout": count(why="seconds"),
+    "grace": Number(float, 0, why="seconds"),
+}
+
+
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """Raise UsageError if a process listens on `port` already (the
+    coordinator could not start there)."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UsageError(
+                f"--port {port}: {e.strerror or e} on {host}; choose another port, or leave "
+                "--port out for a free one"
+            ) from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -92,11 +115,19 @@ def launch(
     command) as `nodes` processes; returns the exit
     status: 0 when all succeed, else the first failure's (128 + signal number
     for a process killed by a signal)."""
-    if not isinstance(nodes, int) or nodes <= 0:
-        raise UsageError(f"--nodes must be a positive int, got {nodes!r}")
-    if not isinstance(local, int) or local <= 0:
-        raise UsageError(f"--local must be a positive int, got {local!r}")
-    check_cpu_devices(local, "--local")
+    given = dict(
+        nodes=nodes,
+        local=local,
+        heartbeat_timeout=heartbeat_timeout,
+        grace=grace,
+        init_timeout=init_timeout,
+    )
+    if port is not None:
+        given["port"] = port
+    for name, value in given.items():
+        RANGES[name].check(f"--{name.replace('_', '-')}", value)
+    if port is not None:
+        check_port_free(port)
     if not argv:
         raise UsageError("nothing to launch: give a zpp subcommand after --, e.g. -- train")
     if argv[0] == "launch":

@@ -120,7 +120,16 @@ def _check_positive(name: str, value: int | None) -> None:
 
 
 def mesh_shape(mesh: Mesh) -> tuple[int, int]:
-    """(nodes, local) of a mesh built by `make_mesh`."""
+    """(nodes, local) of a mesh built by `make_mesh`.
+
+    Raises:
+      UsageError: `mesh` is not a `jax.sharding.Mesh`, or lacks the axes.
+    """
+    if not isinstance(mesh, Mesh):
+        raise UsageError(
+            f"mesh must be a jax.sharding.Mesh with axes {AXES} (zpp.make_mesh(nodes, local)), "
+            f"got {type(mesh).__name__}"
+        )
     missing = [a for a in AXES if a not in mesh.shape]
     if missing:
         raise UsageError(f"mesh has axes {tuple(mesh.shape)}; the engine needs {AXES}")

@@ -292,7 +292,7 @@ def shard(
       UsageError: a mesh without (`node`, `local`) axes, a policy that selects
         no unit or overlapping units, a parameter that is not floating point.
     """
-    config = ZeroPPConfig() if config is None else config
+    config = ZeroPPConfig.check(config)
     check_outputs(outputs)
     if not isinstance(model, nnx.Module):
         raise UsageError(

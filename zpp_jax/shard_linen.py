@@ -311,7 +311,7 @@ def shard_linen(
       UsageError: no ``"params"``, a policy that selects no unit or
         overlapping units, a non-floating parameter.
     """
-    config = ZeroPPConfig() if config is None else config
+    config = ZeroPPConfig.check(config)
     check_outputs(outputs)
     if isinstance(module, ShardedLinen):
         raise UsageError(

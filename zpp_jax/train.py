@@ -130,7 +130,7 @@ class Trainer:
         self.max_grad_norm = max_grad_norm
         nodes, local = mesh_shape(mesh)
         self.mesh, self.num_devices = mesh, nodes * local
-        self.config = ZeroPPConfig() if config is None else config
+        self.config = ZeroPPConfig.check(config)
         self.loss_fn, self.grad_accum = loss_fn, grad_accum
         sharded = shard(model, mesh, self.config, policy, compute_dtype)
         self._param_specs = jax.tree.map(lambda a: a.sharding.spec, nnx.state(sharded, nnx.Param))

@@ -5,6 +5,7 @@ handling, and one module per subcommand (`train`, `comm`, `demo`, `plan`,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import pathlib
@@ -14,7 +15,12 @@ import threading
 import time
 
 from zpp_jax import config as _config
-from zpp_jax.errors import UsageError
+from zpp_jax.cli.args import RUN, Parser
+from zpp_jax.errors import Number, UsageError, count, positive
+from zpp_jax.launch import RANGES as LAUNCH
+
+# ZeroPPConfig's bound on a block.
+BLOCK = count(1, _config._MAX_BLOCK, "elements per block")
 
 
 def _add_technique_flags(p: argparse.ArgumentParser) -> None:
@@ -43,9 +49,9 @@ def _add_technique_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="carry gradient rounding errors",
     )
-    g.add_argument("--block-size", type=int, help="elements per weight block (default 256)")
+    g.add_argument("--block-size", type=BLOCK, help="elements per weight block (default 256)")
     g.add_argument(
-        "--gradient-block-size", type=int, help="elements per gradient block (default 32)"
+        "--gradient-block-size", type=BLOCK, help="elements per gradient block (default 32)"
     )
     g.add_argument(
         "--gradient-scale-dtype",
@@ -111,14 +117,14 @@ def _config_from_args(args):
     return ZeroPPConfig(comm_dtype=args.comm_dtype, remat=args.remat, **fields)
 
 
-def _use_emulated_devices(count: int, what: str = "--nodes x --local") -> None:
-    """Give the CPU backend `count` devices unless the user chose a number.
+def _use_emulated_devices(devices: int, what: str = "--nodes x --local") -> None:
+    """Give the CPU backend `devices` devices unless the user chose a number.
 
     Must run before jax initializes its backends; only the CPU backend reads it.
     """
     from zpp_jax.distributed import check_cpu_devices
 
-    check_cpu_devices(count, what)
+    check_cpu_devices(devices, what)
     if (
         "JAX_NUM_CPU_DEVICES" in os.environ
         or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
@@ -126,7 +132,7 @@ def _use_emulated_devices(count: int, what: str = "--nodes x --local") -> None:
         return
     import jax
 
-    jax.config.update("jax_num_cpu_devices", count)
+    jax.config.update("jax_num_cpu_devices", devices)
 
 
 def _demo(args) -> int:
@@ -184,55 +190,63 @@ def _join_job(args) -> None:
 
 
 def _train(args) -> int:
-    _join_job(args)
-    from zpp_jax.cli.train import RunConfig, run
+    from zpp_jax.cli.train import run
 
-    zero = _config_from_args(args)
+    # Every check that needs no device first, in every process alike: a job's
+    # processes then refuse bad input together, before any of them joins.
+    cfg = _run_config(args)
+    _join_job(args)
+    run(dataclasses.replace(cfg, nodes=args.nodes, local=args.local))
+    return 0
+
+
+def _run_config(args):
+    """The RunConfig the `zpp train` flags describe (the mesh sizes the
+    job's, once it is joined)."""
+    from zpp_jax.cli.train import RunConfig
+
     plot = args.plot
     if plot is None and args.metrics:
         plot = _default_plot(args.metrics)
-    run(
-        RunConfig(
-            zero=zero,
-            arch=args.arch,
-            model=args.model,
-            seq_len=args.seq,
-            nodes=args.nodes,
-            local=args.local,
-            batch=args.batch,
-            grad_accum=args.grad_accum,
-            steps=args.steps,
-            lr=args.lr,
-            warmup=args.warmup,
-            clip=args.clip,
-            compute_dtype=args.compute_dtype,
-            seed=args.seed,
-            data=args.data,
-            val_data=args.val_data,
-            tokenizer=args.tokenizer,
-            accept_binary=args.accept_binary,
-            eval_every=args.eval_every,
-            eval_batches=args.eval_batches,
-            metrics=args.metrics,
-            plot=plot,
-            ckpt_dir=args.ckpt_dir,
-            ckpt_every=args.ckpt_every,
-            resume=args.resume,
-            overwrite=args.overwrite,
-            progress=not args.quiet,
-            stages=args.stages,
-            slices=args.slices,
-            stage_zero=not args.no_stage_zero,
-            cost=args.cost,
-        )
+    return RunConfig(
+        zero=_config_from_args(args),
+        arch=args.arch,
+        model=args.model,
+        seq_len=args.seq,
+        nodes=2 if args.nodes is None else args.nodes,
+        local=4 if args.local is None else args.local,
+        batch=args.batch,
+        grad_accum=args.grad_accum,
+        steps=args.steps,
+        lr=args.lr,
+        warmup=args.warmup,
+        clip=args.clip,
+        compute_dtype=args.compute_dtype,
+        seed=args.seed,
+        data=args.data,
+        val_data=args.val_data,
+        tokenizer=args.tokenizer,
+        accept_binary=args.accept_binary,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        metrics=args.metrics,
+        plot=plot,
+        ckpt_dir=args.ckpt_dir,
+        ckpt_every=args.ckpt_every,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+        stages=args.stages,
+        slices=args.slices,
+        stage_zero=not args.no_stage_zero,
+        cost=args.cost,
     )
-    return 0
 
 
 def _default_plot(metrics: str) -> str | None:
     """The loss plot beside a metrics file, named after it (``run/m.jsonl``:
     ``run/m.png``); none for a stream (standard output, a pipe)."""
-    from zpp_jax.cli.runs import is_stream
+    from zpp_jax.errors import is_stream
 
     path = pathlib.Path(metrics)
     if is_stream(metrics) or not path.name:  # no name: `check_paths` says what is wrong
@@ -401,7 +415,7 @@ def _profile(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zpp", description=__doc__)
+    parser = Parser(prog="zpp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser(
@@ -415,23 +429,27 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--model", default="tiny", help="size preset: tiny, small (both), 125m (gpt)"
     )
-    train.add_argument("--seq", type=int, default=None, help="sequence length (preset's)")
     train.add_argument(
-        "--nodes", type=int, default=None, help="default 2, or the job's process count"
+        "--seq", type=RUN["seq_len"], default=None, help="sequence length (preset's)"
     )
     train.add_argument(
-        "--local", type=int, default=None, help="default 4, or each process's device count"
+        "--nodes", type=RUN["nodes"], default=None, help="default 2, or the job's process count"
     )
-    train.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
-    train.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
-    train.add_argument("--steps", type=int, default=200)
-    train.add_argument("--lr", type=float, default=3e-3)
-    train.add_argument("--warmup", type=int, default=20)
-    train.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
+    train.add_argument(
+        "--local", type=RUN["local"], default=None, help="default 4, or each process's device count"
+    )
+    train.add_argument("--batch", type=RUN["batch"], default=16, help="global batch (sequences)")
+    train.add_argument(
+        "--grad-accum", type=RUN["grad_accum"], default=1, help="micro-batches per step"
+    )
+    train.add_argument("--steps", type=RUN["steps"], default=200)
+    train.add_argument("--lr", type=RUN["lr"], default=3e-3)
+    train.add_argument("--warmup", type=RUN["warmup"], default=20)
+    train.add_argument("--clip", type=RUN["clip"], default=1.0, help="global gradient-norm clip")
     train.add_argument(
         "--compute-dtype", default="bfloat16", choices=("bfloat16", "float32", "float16")
     )
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=RUN["seed"], default=0)
     train.add_argument(
         "--data",
         default=None,
@@ -453,12 +471,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="train on --data that is not UTF-8 text (a binary file, random bytes) without the "
         "warning (--tokenizer byte) or the error (BPE, a tokenizer.json)",
     )
-    train.add_argument("--eval-every", type=int, default=50)
-    train.add_argument("--eval-batches", type=int, default=4)
+    train.add_argument("--eval-every", type=RUN["eval_every"], default=50)
+    train.add_argument("--eval-batches", type=RUN["eval_batches"], default=4)
     train.add_argument("--metrics", default=None, help="write JSON lines here")
     train.add_argument("--plot", default=None, help="loss plot PNG (default: beside --metrics)")
     train.add_argument("--ckpt-dir", default=None)
-    train.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints")
+    train.add_argument(
+        "--ckpt-every", type=RUN["ckpt_every"], default=0, help="steps between checkpoints"
+    )
     train.add_argument(
         "--resume",
         action="store_true",
@@ -475,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     pipe = train.add_argument_group("token pipeline (TeraPipe)")
     pipe.add_argument(
         "--stages",
-        type=int,
+        type=RUN["stages"],
         default=1,
         help="pipeline stages, each of --nodes x --local devices (default 1: no pipeline); "
         "under zpp launch, stages x nodes = processes",
@@ -524,12 +544,13 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument(
         "--compute-dtype",
         default="model",
+        choices=("model", "bfloat16", "float32", "float16"),
         help="dtype the gathered weights are cast to (e.g. bfloat16); default: the model's",
     )
-    comm.add_argument("--seq", type=int, default=None)
-    comm.add_argument("--nodes", type=int, default=2)
-    comm.add_argument("--local", type=int, default=4)
-    comm.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    comm.add_argument("--seq", type=count(why="tokens"), default=None)
+    comm.add_argument("--nodes", type=count(), default=2)
+    comm.add_argument("--local", type=count(), default=4)
+    comm.add_argument("--batch", type=count(), default=16, help="global batch (sequences)")
     comm.add_argument(
         "--configs",
         nargs="+",
@@ -539,7 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     comm.add_argument(
         "--persistence-threshold",
-        type=int,
+        type=count(0, why="elements"),
         default=0,
         help="keep parameters of fewer elements whole on every device, in every "
         "engine configuration (ZeroPPConfig.persistence_threshold; default 0: shard all)",
@@ -552,24 +573,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a zpp subcommand as N local processes, one node each (jax.distributed, "
         "CPU devices, gloo), e.g. zpp launch --nodes 2 -- train --steps 10",
     )
-    launch.add_argument("--nodes", type=int, default=2, help="processes (= nodes)")
-    launch.add_argument("--local", type=int, default=4, help="CPU devices per process")
-    launch.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
+    launch.add_argument("--nodes", type=LAUNCH["nodes"], default=2, help="processes (= nodes)")
+    launch.add_argument(
+        "--local",
+        type=LAUNCH["local"],
+        default=4,
+        help="CPU devices per process",
+    )
+    launch.add_argument(
+        "--port",
+        type=LAUNCH["port"],
+        default=None,
+        help="coordinator port (default: free)",
+    )
     launch.add_argument(
         "--heartbeat-timeout",
-        type=int,
+        type=LAUNCH["heartbeat_timeout"],
         default=10,
         help="seconds of silence before a process counts as dead",
     )
     launch.add_argument(
         "--init-timeout",
-        type=int,
+        type=LAUNCH["init_timeout"],
         default=30,
         help="seconds to wait for every process to join",
     )
     launch.add_argument(
         "--grace",
-        type=float,
+        type=LAUNCH["grace"],
         default=60.0,
         help="seconds the others get to fail on their own after one fails",
     )
@@ -580,38 +611,47 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="TeraPipe: choose the token slicing of a sequence for a K-stage pipeline",
     )
-    plan.add_argument("--layers", type=int, default=None, help="(required without --cost)")
-    plan.add_argument("--hidden", type=int, default=None, help="(required without --cost)")
-    plan.add_argument("--seq", type=int, required=True, help="tokens per sequence")
-    plan.add_argument("--stages", type=int, required=True)
+    plan.add_argument("--layers", type=count(), default=None, help="(required without --cost)")
+    plan.add_argument("--hidden", type=count(), default=None, help="(required without --cost)")
+    plan.add_argument("--seq", type=count(), required=True, help="tokens per sequence")
+    plan.add_argument("--stages", type=count(), required=True)
     plan.add_argument(
         "--batch",
-        type=int,
+        type=count(),
         default=1,
         help="sequences per step: B > 1 plans the joint batch x token program (microbatches, "
         "each with its own slicing)",
     )
     plan.add_argument(
         "--granularity",
-        type=int,
+        type=count(),
         default=None,
         help="tokens per planning unit (default: the finest with at most 256 units)",
     )
     plan.add_argument("--cost", default=None, help="a cost model JSON (default: analytic)")
     plan.add_argument(
-        "--link-gbps", type=float, default=None, help="stage-to-stage link bandwidth, Gbit/s"
+        "--link-gbps",
+        type=positive("Gbit/s"),
+        default=None,
+        help="stage-to-stage link bandwidth, Gbit/s",
     )
     plan.add_argument(
-        "--link-latency-us", type=float, default=None, help="stage-to-stage link latency, us"
+        "--link-latency-us",
+        type=Number(float, 0, why="us"),
+        default=None,
+        help="stage-to-stage link latency, us",
     )
     plan.add_argument(
         "--link", default=None, help="a measured link (zpp profile --link) instead of the two"
     )
     plan.add_argument(
-        "--act-bytes", type=int, default=2, help="bytes per activation value on the link"
+        "--act-bytes", type=count(), default=2, help="bytes per activation value on the link"
     )
     plan.add_argument(
-        "--flops", type=float, default=1e14, help="device FLOP/s of the analytic cost model"
+        "--flops",
+        type=positive("FLOP/s"),
+        default=1e14,
+        help="device FLOP/s of the analytic cost model",
     )
     plan.add_argument("--objective", default="pipeline", choices=("pipeline", "lockstep"))
     plan.add_argument("--json", action="store_true")
@@ -622,8 +662,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="time one pipeline stage's forward+backward per (slice length, context) on "
         "this device and fit the planner's cost model",
     )
-    prof.add_argument("--layers", type=int, default=None, help="layers per stage")
-    prof.add_argument("--hidden", type=int, default=None)
+    prof.add_argument("--layers", type=count(), default=None, help="layers per stage")
+    prof.add_argument("--hidden", type=count(), default=None)
     prof.add_argument(
         "--link",
         action="store_true",
@@ -633,20 +673,28 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument(
         "--arch", default="gpt", choices=("gpt", "llama"), help="the decoder layer to time"
     )
-    prof.add_argument("--heads", type=int, default=8)
+    prof.add_argument("--heads", type=count(), default=8)
     prof.add_argument(
-        "--kv-heads", type=int, default=None, help="--arch llama: key/value heads (default --heads)"
+        "--kv-heads",
+        type=count(),
+        default=None,
+        help="--arch llama: key/value heads (default --heads)",
     )
-    prof.add_argument("--ffn", type=int, default=None, help="MLP width (default 4 x hidden)")
-    prof.add_argument("--batch", type=int, default=1)
+    prof.add_argument("--ffn", type=count(), default=None, help="MLP width (default 4 x hidden)")
+    prof.add_argument("--batch", type=count(), default=1)
     prof.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    prof.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512])
-    prof.add_argument("--contexts", type=int, nargs="+", default=[0, 512, 1024, 1536])
+    prof.add_argument("--lengths", type=count(), nargs="+", default=[16, 32, 64, 128, 256, 512])
     prof.add_argument(
-        "--repeats", type=int, default=None, help="timed calls per point (3; --link: 15)"
+        "--contexts",
+        type=count(0, why="tokens before the slice"),
+        nargs="+",
+        default=[0, 512, 1024, 1536],
     )
     prof.add_argument(
-        "--seq", type=int, default=None, help="the pipeline's sequence length (its cache size)"
+        "--repeats", type=count(), default=None, help="timed calls per point (3; --link: 15)"
+    )
+    prof.add_argument(
+        "--seq", type=count(), default=None, help="the pipeline's sequence length (its cache size)"
     )
     prof.add_argument("--out", default="cost.json")
     prof.set_defaults(func=_profile)
@@ -655,16 +703,16 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="run sharded training steps of a transformer stack and print what moved",
     )
-    demo.add_argument("--nodes", type=int, default=2)
-    demo.add_argument("--local", type=int, default=4)
-    demo.add_argument("--layers", type=int, default=4)
-    demo.add_argument("--d-model", type=int, default=128)
-    demo.add_argument("--d-ff", type=int, default=512)
-    demo.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
-    demo.add_argument("--seq", type=int, default=64)
-    demo.add_argument("--steps", type=int, default=20)
-    demo.add_argument("--lr", type=float, default=3e-3)
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--nodes", type=count(), default=2)
+    demo.add_argument("--local", type=count(), default=4)
+    demo.add_argument("--layers", type=count(), default=4)
+    demo.add_argument("--d-model", type=count(), default=128)
+    demo.add_argument("--d-ff", type=count(), default=512)
+    demo.add_argument("--batch", type=count(), default=16, help="global batch (sequences)")
+    demo.add_argument("--seq", type=count(), default=64)
+    demo.add_argument("--steps", type=count(), default=20)
+    demo.add_argument("--lr", type=positive("a learning rate"), default=3e-3)
+    demo.add_argument("--seed", type=count(0, 2**32 - 1, "32 bits"), default=0)
     _add_technique_flags(demo)
     demo.set_defaults(func=_demo)
     return parser
@@ -689,7 +737,10 @@ def entry() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0), or a flag refused (2: one line said why)
+        return e.code if isinstance(e.code, int) else 2
     start = time.perf_counter()
     try:
         code = _call(args)

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
-from zpp_jax.errors import UsageError, check_positive_finite
+from zpp_jax.errors import UsageError
 from zpp_jax.layer import ShardedLayer, stack_value_and_grad
 from zpp_jax.mesh import AXES, make_mesh, mesh_shape
 from zpp_jax.models.blocks import block, init_stack
@@ -30,12 +30,7 @@ def run_demo(
     lr: float,
     seed: int,
 ) -> int:
-    sizes = dict(layers=layers, d_model=d_model, d_ff=d_ff, batch=batch, seq=seq, steps=steps)
-    for name, value in sizes.items():
-        if value <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    check_positive_finite("--lr", lr, "learning rate")
-    mesh = make_mesh(nodes, local)
+    mesh = make_mesh(nodes, local)  # the flags' ranges are the parser's (`zpp_jax.cli`)
     n = nodes * local
     if batch % n:
         raise UsageError(f"--batch {batch} must be a multiple of the {n} devices")

@@ -3,7 +3,9 @@ model it plans with, measured on this device."""
 
 from __future__ import annotations
 
-from zpp_jax.errors import UsageError
+import pathlib
+
+from zpp_jax.errors import UsageError, check_writable_file
 
 
 def plan_cost(args):
@@ -159,11 +161,11 @@ def run_link_profile(args) -> int:
     """`zpp profile --link`: in a 2-process job, measure the link and
     (process 0) write it; outside one, start that job on this machine."""
     import json
-    import pathlib
 
     from zpp_jax.distributed import DistributedConfig
 
     repeats = 15 if args.repeats is None else args.repeats
+    check_writable_file("--out", pathlib.Path(args.out))
     if not DistributedConfig.from_env().is_multi_process:
         from zpp_jax.launch import launch
 
@@ -188,6 +190,14 @@ def run_profile(args) -> int:
         return run_link_profile(args)
     if args.layers is None or args.hidden is None:
         raise UsageError("zpp profile needs --layers and --hidden (or --link)")
+    check_writable_file("--out", pathlib.Path(args.out))
+    longest = max(args.lengths) + max(args.contexts)
+    if args.seq is not None and longest > args.seq:
+        raise UsageError(
+            f"--seq {args.seq} is shorter than the longest slice after the longest context "
+            f"({max(args.lengths)} + {max(args.contexts)} = {longest} tokens); a pipeline of "
+            "that length never runs it: give a longer --seq, or shorter --lengths/--contexts"
+        )
     from zpp_jax.models.gpt import GPTConfig
     from zpp_jax.models.llama import LlamaConfig
     from zpp_jax.pipeline.cost import save_cost

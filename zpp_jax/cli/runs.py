@@ -36,11 +36,18 @@ from typing import Any, TextIO
 
 import jax
 
-from zpp_jax.checkpoint import Checkpointer
+from zpp_jax.checkpoint import Checkpointer, check_directory
 from zpp_jax.data.corpus import expand
 from zpp_jax.data.tokenizer import check_spec
 from zpp_jax.distributed import max_over_processes
-from zpp_jax.errors import OutputError, UsageError
+from zpp_jax.errors import (
+    OutputError,
+    UsageError,
+    check_creatable,
+    check_stream,
+    check_writable_file,
+    is_stream,
+)
 
 # RunConfig fields that do not change what is trained: where output goes,
 # how often it is written, the mesh (a checkpoint restores onto another), and
@@ -117,61 +124,35 @@ def check_paths(cfg: Any) -> None:
                 raise UsageError(f"{flag} {path}: not readable")
     check_spec(cfg.tokenizer)
     if cfg.metrics and is_stream(cfg.metrics):
-        _check_stream("--metrics", cfg.metrics)
+        check_stream("--metrics", cfg.metrics)
     elif cfg.metrics:
-        _check_writable_file("--metrics", pathlib.Path(cfg.metrics))
+        check_writable_file("--metrics", pathlib.Path(cfg.metrics))
     if cfg.plot:
         if is_stream(cfg.plot):
             raise UsageError(f"--plot {cfg.plot}: a plot is a PNG file; give a file name")
-        _check_writable_file("--plot", pathlib.Path(cfg.plot))
+        check_writable_file("--plot", pathlib.Path(cfg.plot))
     if cfg.ckpt_dir:
         ckpt = pathlib.Path(cfg.ckpt_dir)
-        if ckpt.exists() and not ckpt.is_dir():
-            raise UsageError(f"--ckpt-dir {ckpt} is a file, not a directory")
-        _check_creatable(f"--ckpt-dir {ckpt}", ckpt)
+        check_directory(ckpt, "--ckpt-dir")
+        check_creatable(f"--ckpt-dir {ckpt}", ckpt)
+    _check_distinct(cfg)
 
 
-def _check_writable_file(flag: str, path: pathlib.Path) -> None:
-    if path.is_dir():
-        raise UsageError(f"{flag} {path} is a directory; give a file name")
-    if path.exists():
-        if not os.access(path, os.W_OK):
-            raise UsageError(f"{flag} {path}: not writable")
-        return
-    _check_creatable(f"{flag} {path}", path.parent)
-
-
-def is_stream(path: str) -> bool:
-    """Whether a `--metrics` path is a stream: ``-`` (standard output), a
-    path under /dev or /proc (``/dev/stdout``, ``/dev/full``), or an
-    existing path that is neither a regular file nor a directory (a FIFO,
-    a socket, a device). A stream is written in order and never read back, cut, renamed over or
-    replaced."""
-    if path == "-":
-        return True
-    given = pathlib.Path(path).absolute()
-    if given.is_dir():
-        return False
-    for p in (given, pathlib.Path(os.path.realpath(given))):
-        if p.parts[1:2] in (("dev",), ("proc",)):
-            return True
-    return given.exists() and not given.is_file()
-
-
-def _check_stream(flag: str, path: str) -> None:
-    if path != "-" and not os.access(path, os.W_OK):
-        raise UsageError(f"{flag} {path}: not writable (or does not exist)")
-
-
-def _check_creatable(what: str, directory: pathlib.Path) -> None:
-    """`directory` exists and is writable, or can be created."""
-    p = directory.absolute()
-    while not p.exists():
-        p = p.parent
-    if not p.is_dir():
-        raise UsageError(f"{what}: {p} is a file, not a directory")
-    if not os.access(p, os.W_OK):
-        raise UsageError(f"{what}: {p} is not writable")
+def _check_distinct(cfg: Any) -> None:
+    """The metrics, the plot and the checkpoint directory are three paths,
+    and the plot is a PNG."""
+    paths = {
+        "--metrics": cfg.metrics and cfg.metrics != "-" and pathlib.Path(cfg.metrics).absolute(),
+        "--plot": cfg.plot and pathlib.Path(cfg.plot).absolute(),
+        "--ckpt-dir": cfg.ckpt_dir and pathlib.Path(cfg.ckpt_dir).absolute(),
+    }
+    named = [(flag, p) for flag, p in paths.items() if p]
+    for i, (flag, path) in enumerate(named):
+        for other, other_path in named[i + 1 :]:
+            if path == other_path:
+                raise UsageError(f"{flag} and {other} are the same path, {path}: give each its own")
+    if cfg.plot and pathlib.Path(cfg.plot).suffix.lower() != ".png":
+        raise UsageError(f"--plot {cfg.plot}: the plot is a PNG image; give a name ending in .png")
 
 
 # -- claiming outputs ---------------------------------------------------------------
@@ -292,6 +273,10 @@ def restore_latest_intact(
 
 
 def _brief(e: Exception) -> str:
+    """The first line of the innermost error under `e` (what the file or
+    the operating system said, not the layers that passed it on)."""
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
     text = str(e).strip()
     line = text.splitlines()[0] if text else ""
     return f"{type(e).__name__}: {line[:200]}"

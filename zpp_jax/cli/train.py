@@ -34,10 +34,12 @@ from flax import nnx
 
 from zpp_jax.checkpoint import Checkpointer
 from zpp_jax.cli import corpus, runs
+from zpp_jax.cli.args import RUN
 from zpp_jax.cli.plan import folded
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.data import BatchLoader, TokenDataset, local_rows
-from zpp_jax.errors import UsageError, check_int_range, check_positive_finite
+from zpp_jax.data.tokenizer import bpe_size
+from zpp_jax.errors import INT32_MAX, UsageError
 from zpp_jax.mesh import make_mesh
 from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
 from zpp_jax.preemption import Stopped, StopRequest
@@ -45,7 +47,6 @@ from zpp_jax.step_report import summarize
 from zpp_jax.train import Trainer
 
 ARCHS = ("gpt", "llama")
-INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,15 +94,8 @@ class RunConfig:
             raise UsageError("checkpointing and --resume need --ckpt-dir")
         if self.arch not in ARCHS:
             raise UsageError(f"unknown architecture {self.arch!r}; choose one of {ARCHS}")
-        check_positive_finite("--clip", self.clip, "gradient norm")
-        check_positive_finite("--lr", self.lr, "learning rate")
         if not 0 <= self.weight_decay < math.inf:
             raise UsageError(f"weight_decay must be finite and >= 0, got {self.weight_decay}")
-        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
-            raise UsageError(
-                f"--seq must be a positive number of tokens, got {self.seq_len} "
-                "(leave it out for the preset's length)"
-            )
         if self.resume and self.overwrite:
             raise UsageError("--resume continues a run and --overwrite deletes it: pass one")
         if self.stages > 1:
@@ -118,23 +112,18 @@ class RunConfig:
             )
 
     def _check_ranges(self) -> None:
-        """Every count in a range that can work: steps and batches that
-        int32 indexing (and the optimizer's step counter) reaches, a seed
-        of 32 bits, 0 meaning never for the intervals."""
-        for flag, value, low, high, why in (
-            ("--nodes", self.nodes, 1, INT32_MAX, ""),
-            ("--local", self.local, 1, INT32_MAX, ""),
-            ("--stages", self.stages, 1, INT32_MAX, ""),
-            ("--batch", self.batch, 1, INT32_MAX, "sequences per step"),
-            ("--grad-accum", self.grad_accum, 1, max(self.batch, 1), "at most --batch"),
-            ("--steps", self.steps, 1, INT32_MAX, "the optimizer counts steps in int32"),
-            ("--warmup", self.warmup, 0, INT32_MAX, "steps"),
-            ("--eval-every", self.eval_every, 0, INT32_MAX, "steps; 0: never"),
-            ("--eval-batches", self.eval_batches, 1, INT32_MAX, ""),
-            ("--ckpt-every", self.ckpt_every, 0, INT32_MAX, "steps; 0: only the last"),
-            ("--seed", self.seed, 0, 2**32 - 1, "32 bits"),
-        ):
-            check_int_range(flag, value, low, high, why)
+        """Every count in the range that `zpp train`'s flags take
+        (`zpp_jax.cli.args.RUN`): steps and batches that int32 indexing
+        reaches, a 32-bit seed, 0 meaning never for the intervals."""
+        for name, number in RUN.items():
+            value = getattr(self, name)
+            if name != "seq_len" or value is not None:
+                number.check(f"--{name.replace('_', '-')}", value)
+        if self.grad_accum > self.batch:
+            raise UsageError(
+                f"--grad-accum {self.grad_accum} splits --batch {self.batch} into more "
+                "micro-batches than it has sequences; use at most --batch"
+            )
 
 
 # -- build ----------------------------------------------------------------------
@@ -306,6 +295,26 @@ def check_settings(cfg: RunConfig) -> None:
         raise UsageError(
             f"--stages {cfg.stages} does not divide the model's {model_cfg.n_layers} "
             "layers; choose a number of stages that divides the layer count"
+        )
+    _check_host_memory(cfg, model_cfg.seq_len)
+
+
+def _check_host_memory(cfg: RunConfig, seq_len: int) -> None:
+    """On CPU devices, refuse a step whose logits alone (fp32, for this
+    process's rows of one micro-batch, over the smallest vocabulary the
+    tokenizer can give) exceed the host's memory: it could never run, and
+    would swap the machine first."""
+    if jax.default_backend() != "cpu":
+        return
+    vocab = bpe_size(cfg.tokenizer) or 256
+    rows = cfg.batch // (jax.process_count() * cfg.grad_accum) or 1
+    logits = rows * seq_len * vocab * 4
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if logits > memory:
+        raise UsageError(
+            f"--batch {cfg.batch} x {seq_len} tokens x {vocab} ids: the logits alone take "
+            f"{logits:,} B a step in this process, more than the host's {memory:,} B of "
+            "memory; use a smaller --batch or --seq, or more --grad-accum"
         )
 
 

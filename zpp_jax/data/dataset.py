@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import UsageError, count
 
 
 class TokenDataset:
@@ -33,6 +33,7 @@ class TokenDataset:
     ):
         if val_tokens is None and not 0 < val_fraction < 1:
             raise UsageError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        count(1, 2**31 - 2, "tokens per sequence").check("seq_len", seq_len)
         self.seq_len = seq_len
         if val_tokens is None:
             split = int(len(tokens) * (1 - val_fraction))
@@ -51,7 +52,7 @@ class TokenDataset:
 
     def starts(self, split: str, index: int, batch_size: int, seed: int) -> np.ndarray:
         """Where each row of batch `index` starts in its split."""
-        n = len(self.splits[split])
+        n = len(self._split(split))
         rng = np.random.default_rng([seed, 0 if split == "train" else 1, index])
         return rng.integers(0, n - self.seq_len - 1, size=batch_size)
 
@@ -61,7 +62,8 @@ class TokenDataset:
         """{"inputs", "targets"}: int32 (batch_size, seq_len), targets shifted
         by one. With `rows` (indices into the batch), only those rows are
         read; the others are zero."""
-        view = self.splits[split]
+        view = self._split(split)
+        count(why="sequences").check("batch_size", batch_size)
         starts = self.starts(split, index, batch_size, seed)
         rows = range(batch_size) if rows is None else rows
         windows = np.zeros((batch_size, self.seq_len + 1), np.int32)
@@ -72,8 +74,13 @@ class TokenDataset:
     def bytes_per_token(self, split: str, token_bytes: np.ndarray) -> float:
         """Mean of `token_bytes` (bytes per id, `Tokenizer.token_bytes`) over
         the split's tokens: one pass, a piece at a time."""
-        view = self.splits[split]
+        view = self._split(split)
         return sum(int(token_bytes[piece].sum()) for _, piece in view.pieces()) / len(view)
+
+    def _split(self, split: str) -> _View:
+        if split not in self.splits:
+            raise UsageError(f"no split {split!r}: a TokenDataset has {sorted(self.splits)}")
+        return self.splits[split]
 
 
 class _View:
