@@ -111,6 +111,7 @@ def test_module_entry_point():
             "argument --seed: must be an int from 0 to 4,294,967,295",
         ),
         (["train", "--batch", str(2**27), "--quiet"], "tokens a step, more than int32 indexing"),
+        (["train", "--batch", str(2**20), "--seq", "1024"], "the logits alone take 1,099,511,627"),
         (["train", "--grad-accum", "32", "--quiet"], "--grad-accum 32 splits --batch 16 into more"),
         (["train", "--nodes", str(2**31 - 1)], "CPU devices in one process; XLA:CPU"),
         (["train", "--nodes", "64", "--local", "64"], "= 4,096 CPU devices in one process"),
@@ -124,6 +125,13 @@ def test_module_entry_point():
         (["comm", "--persistence-threshold", "-1"], "argument --persistence-threshold: must be"),
         (["train", "--steps", "abc"], "argument --steps: 'abc' is not an integer"),
         (["train", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (
+            ["profile", "--layers", "1", "--hidden", "8", "--seq", "8", "--lengths", "16"],
+            "--seq 8 is shorter than the longest slice after the longest context",
+        ),
+        (["profile", "--layers", "1", "--hidden", "8", "--out", "/"], "--out / is a directory"),
+        (["comm", "--compute-dtype", "float8"], "argument --compute-dtype: invalid choice"),
+        (["launch", "--grace", "nan", "--", "train"], "argument --grace: must be a finite number"),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(capsys, argv, message):

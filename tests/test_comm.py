@@ -87,6 +87,7 @@ def test_zeropp_matches_the_analytic_count(mesh):
     assert ("all-gather", False) in kinds and ("collective-permute", True) in kinds
 
 
+@pytest.mark.slow  # compiles five configurations' steps
 def test_cli_json(capsys):
     assert main(["comm", "--json", "--configs", "zero3", "zeropp", "jit", "--seq", "16"]) == 0
     out = json.loads(capsys.readouterr().out)

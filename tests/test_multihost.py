@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -331,3 +332,37 @@ def test_no_worker_outlives_a_sigkilled_launcher(tmp_path):
     for pid in alive:
         os.kill(pid, signal.SIGKILL)
     assert not alive, f"workers {alive} outlived the launcher by 15 s"
+
+
+@pytest.mark.slow
+def test_a_job_that_cannot_start_says_why_in_one_line():
+    """A coordinator port in use, a bad flag that every worker refuses, a
+    coordinator that never answers, an address that is not one: each ends
+    with one line and status 2, within its timeout, without a C++ abort."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = _zpp(["launch", "--nodes", "2", "--port", str(port), "--", "train", "--steps", "1"])
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"zpp launch: error: --port {port}: Address already in use on 127.0.0.1; choose another "
+        "port, or leave --port out for a free one"
+    ]
+    r = _zpp(["launch", "--nodes", "2", "--", "train", "--steps", "0"])
+    assert r.returncode == 2
+    errors = [line for line in r.stderr.splitlines() if ": error: " in line]
+    assert errors == [
+        "zpp train: error: argument --steps: must be an int from 1 to 2,147,483,647 (the "
+        "optimizer counts steps in int32), got 0"
+    ]
+    assert "process 1 exited with status 2" in r.stderr and "Check failure" not in r.stderr
+    for address, message in (
+        (f"127.0.0.1:{free_port()}", "did not answer within 3 s ($ZPP_INIT_TIMEOUT)"),
+        ("nowhere", "the coordinator address 'nowhere' is not host:port"),
+    ):
+        env = process_env(1, 2, 4, address, base=_single_env(), init_timeout=3)
+        r = _zpp(["train", "--steps", "1", "--quiet"], env=env)
+        assert r.returncode == 2
+        err = r.stderr.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err

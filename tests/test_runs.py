@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from zpp_jax import UsageError
@@ -183,6 +184,7 @@ def test_killed_save_and_damaged_checkpoint_resume_exactly(tmp_path, capfd):
     err = capfd.readouterr().err
     assert "skipping checkpoint 4, it is damaged" in err
     assert "restored checkpoint 2 (skipped damaged [4]; kept on disk as 4.damaged)" in err
+    assert all(line.startswith("zpp train: ") for line in err.strip().splitlines()), err[-3000:]
     # Nothing deleted: the damaged step is set aside, and saved again.
     assert (ckpt / "4.damaged").is_dir() and _steps(ckpt) == [2, 4, 6]
     got = _records(metrics)
@@ -198,6 +200,16 @@ def test_killed_save_and_damaged_checkpoint_resume_exactly(tmp_path, capfd):
     assert "skipping checkpoint 4, its metadata is damaged" in err
     assert "kept on disk as 4.damaged-2" in err
     assert [r["loss"] for r in _records(metrics)] == want
+
+    # Every checkpoint damaged: one line each, then the error, no traceback.
+    for step in _steps(ckpt):
+        for p in (ckpt / str(step)).rglob("*meta*"):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    capfd.readouterr()
+    with pytest.raises(UsageError, match=r"none of the checkpoints \[6, 4, 2\] in .* restores"):
+        _run(steps=6, ckpt_every=2, resume=True, **out)
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all("its metadata is damaged" in line for line in err), err
 
 
 # -- one writer per run --------------------------------------------------------------
@@ -431,3 +443,93 @@ def test_resume_on_another_mesh_says_the_residuals_restart(tmp_path, capfd):
         "--resume: checkpoint 2 was saved on a 2 x 4 mesh, this run is on 4 x 2: the "
         "error-feedback residuals restart from zero" in capfd.readouterr().err
     )
+
+
+# -- issue-53 paths: what zpp may touch ------------------------------------------------
+
+
+@pytest.mark.slow  # a training run
+def test_outputs_are_checked_before_the_run_and_user_files_kept(tmp_path, capfd):
+    """Before anything is built: a checkpoint directory holding the user's
+    own folder named like a step (`2023/`) is refused, with or without
+    --overwrite, and the folder kept; --plot must be a .png apart from
+    --metrics and --ckpt-dir; a --ckpt-dir that is a symbolic link to
+    itself is named; the default plot goes beside the metrics even when
+    their folder's name has a dot, leaving the user's file there alone."""
+    ckpt = tmp_path / "ck"
+    (ckpt / "2023").mkdir(parents=True)
+    (ckpt / "2023" / "report.txt").write_text("mine")
+    for extra in ([], ["--overwrite"]):
+        assert main(["train", "--quiet", "--ckpt-dir", str(ckpt), *extra]) == 2
+        assert "holds 2023, named like a checkpoint step but not one" in capfd.readouterr().err
+    assert (ckpt / "2023" / "report.txt").read_text() == "mine"
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    for argv, message in (
+        (["--plot", str(tmp_path / "loss.xyz")], "the plot is a PNG image; give a name ending"),
+        (
+            ["--metrics", str(tmp_path / "m.png"), "--plot", str(tmp_path / "m.png")],
+            "--metrics and --plot are the same path",
+        ),
+        (
+            ["--metrics", str(tmp_path / "x"), "--ckpt-dir", str(tmp_path / "x")],
+            "--metrics and --ckpt-dir are the same path",
+        ),
+        (["--ckpt-dir", str(loop)], "a symbolic link that reaches no directory"),
+    ):
+        assert main(["train", "--quiet", *argv]) == 2, argv
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    (tmp_path / "run.png").write_bytes(b"the user's")
+    metrics = tmp_path / "run.v2" / "metrics"
+    args = ["train", "--quiet", "--seq", "16", "--batch", "8", "--eval-every", "0", "--steps", "1"]
+    assert main([*args, "--metrics", str(metrics)]) == 0
+    assert (tmp_path / "run.v2" / "metrics.png").is_file()
+    assert (tmp_path / "run.png").read_bytes() == b"the user's"
+
+
+def test_api_entry_points_name_the_bad_argument(tmp_path, mesh24):
+    """From Python, a bad argument is a UsageError naming it."""
+    from flax import nnx
+
+    from zpp_jax import Checkpointer, TokenDataset, ZeroPPConfig, shard
+
+    model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    with pytest.raises(UsageError, match="config must be a zpp.ZeroPPConfig .* got dict"):
+        shard(model, mesh24, config={"hpz": False})
+    with pytest.raises(UsageError, match="mesh must be a jax.sharding.Mesh .* got NoneType"):
+        shard(model, None)
+    with pytest.raises(UsageError, match="gradient_block_size must be at most 16,777,216"):
+        ZeroPPConfig(gradient_block_size=2**31)
+    tokens = np.arange(1000) % 200
+    with pytest.raises(UsageError, match="seq_len must be an int from 1 to"):
+        TokenDataset(tokens, seq_len=0)
+    with pytest.raises(UsageError, match=r"no split 'test': a TokenDataset has \['train', 'val'\]"):
+        TokenDataset(tokens, seq_len=8).batch("test", 0, 4, 0)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match="is a file, not a directory"):
+        Checkpointer(tmp_path / "file")
+
+
+@pytest.mark.slow
+def test_a_save_over_the_file_size_limit_is_one_line(tmp_path):
+    """A checkpoint write refused by the process's file-size limit (EFBIG,
+    as `ulimit -f` sets it) is one line naming the cause, status 2."""
+    import resource
+
+    limit = 200_000  # bytes: below a checkpoint's largest file, above the rest
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    args = ["train", "--quiet", "--seq", "16", "--batch", "8", "--eval-every", "0"]
+    args += ["--steps", "2", "--ckpt-every", "2", "--ckpt-dir", str(tmp_path / "ck")]
+    r = subprocess.run(
+        [sys.executable, "-m", "zpp_jax", *args],
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 2, r.stderr[-3000:]
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "checkpoint 2 could not be written to" in err[0], err
+    assert "File too large" in err[0] and "the checkpoints before it are intact" in err[0]

@@ -639,6 +639,7 @@ def test_a_statistic_of_the_batch_inside_a_unit_is_refused(mesh24):
         zpp.shard(Net(nnx.Rngs(0)), mesh24, outputs="max")
 
 
+@pytest.mark.slow  # training runs
 def test_an_moe_balance_loss_from_declared_means_trains_exactly(mesh24):
     """Returned as the two batch means it is made of, declared 'mean', and
     combined outside the units, the balance loss and the training losses

@@ -86,7 +86,10 @@ def _flat(tree):
     return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+# The ViT's is the longest compilation of the file: in the slow set.
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "linen_vit" else n for n in FAMILIES]
+)
 def test_zero3_equals_one_device(name, mesh24):
     """10 steps: losses to 1e-5; every parameter and BatchNorm statistic
     (those of the global batch) to 1e-5 per tensor; parameters keep their
@@ -262,6 +265,7 @@ class _Scanned(nn.Module):
         return scan(name="stack")(x, None)[0]
 
 
+@pytest.mark.slow  # two configs compiled per module
 @pytest.mark.parametrize(
     "module", [_Jitted(), _Rematted(), _Scanned()], ids=["jit", "remat", "scan"]
 )

@@ -17,8 +17,11 @@ checkpoint as the latest.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
 import pathlib
+import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -101,9 +104,12 @@ def _cause(e: BaseException) -> str:
             return f"{seen.strerror} ({seen.filename})" if seen.filename else seen.strerror
         seen = seen.__cause__ or seen.__context__
     text = str(e)
-    for known in ("No space left on device", "Read-only file system", "Permission denied"):
-        if known in text:
-            return known
+    code = re.search(r"os_error_code='?(\d+)", text)  # TensorStore's way of saying it
+    if code:
+        return os.strerror(int(code.group(1)))
+    for number in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EFBIG, errno.EDQUOT):
+        if os.strerror(number) in text:
+            return os.strerror(number)
     first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
     return first[:300]
 
