@@ -16,7 +16,7 @@ from zpp_jax._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("aot", "collectives", "distributed", "pipeline", "quant")
+_SUBMODULES = ("aot", "collectives", "distributed", "errors", "pipeline", "quant")
 _EXPORTS = {
     "target_mesh": "zpp_jax.aot",
     "JitFSDP": "zpp_jax.baseline",
