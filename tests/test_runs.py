@@ -515,19 +515,17 @@ def test_api_entry_points_name_the_bad_argument(tmp_path, mesh24):
 def test_a_save_over_the_file_size_limit_is_one_line(tmp_path):
     """A checkpoint write refused by the process's file-size limit (EFBIG,
     as `ulimit -f` sets it) is one line naming the cause, status 2."""
-    import resource
-
     limit = 200_000  # bytes: below a checkpoint's largest file, above the rest
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     args = ["train", "--quiet", "--seq", "16", "--batch", "8", "--eval-every", "0"]
     args += ["--steps", "2", "--ckpt-every", "2", "--ckpt-dir", str(tmp_path / "ck")]
+    limited = (  # the limit set in the child itself (no fork of this threaded process)
+        "import os, resource, sys\n"
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
+        "os.execv(sys.executable, [sys.executable, '-m', 'zpp_jax', *sys.argv[1:]])\n"
+    )
     r = subprocess.run(
-        [sys.executable, "-m", "zpp_jax", *args],
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
+        [sys.executable, "-c", limited, *args], capture_output=True, text=True, env=env, timeout=300
     )
     assert r.returncode == 2, r.stderr[-3000:]
     err = r.stderr.strip().splitlines()
