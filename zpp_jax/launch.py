@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import MappingProxyType
 
 from zpp_jax.distributed import (
     ENV_COORDINATOR,
@@ -40,15 +41,17 @@ from zpp_jax.distributed import (
 )
 from zpp_jax.errors import Number, UsageError, count
 
-# The ranges of `launch`'s arguments, which the `zpp launch` flags take.
-RANGES = {
-    "nodes": count(1, 1024, "processes on this machine"),
-    "local": count(1, MAX_CPU_DEVICES, "CPU devices a process: XLA:CPU's limit"),
-    "port": count(1, 65535, "a TCP port"),
-    "heartbeat_timeout": count(why="seconds"),
-    "init_timeout": count(why="seconds"),
-    "grace": Number(float, 0, why="seconds"),
-}
+# The ranges of `launch`'s arguments, which the `zpp launch` flags take; read-only.
+RANGES = MappingProxyType(
+    {
+        "nodes": count(1, 1024, "processes on this machine"),
+        "local": count(1, MAX_CPU_DEVICES, "CPU devices a process: XLA:CPU's limit"),
+        "port": count(1, 65535, "a TCP port"),
+        "heartbeat_timeout": count(why="seconds"),
+        "init_timeout": count(why="seconds"),
+        "grace": Number(float, 0, why="seconds"),
+    }
+)
 
 
 def check_port_free(port: int, host: str = "127.0.0.1") -> None:

@@ -16,27 +16,30 @@ from __future__ import annotations
 
 import argparse
 import os
+from types import MappingProxyType
 
 from zpp_jax.distributed import ENV_PROCESS_ID
 from zpp_jax.errors import count, positive
 
-# `zpp train`'s counts, shared with RunConfig (`zpp_jax.cli.train`).
-RUN = {
-    "nodes": count(),
-    "local": count(),
-    "stages": count(),
-    "batch": count(why="sequences per step"),
-    "grad_accum": count(why="micro-batches, at most --batch"),
-    "steps": count(why="the optimizer counts steps in int32"),
-    "warmup": count(0, why="steps"),
-    "eval_every": count(0, why="steps; 0: never"),
-    "eval_batches": count(),
-    "ckpt_every": count(0, why="steps; 0: only the last"),
-    "seed": count(0, 2**32 - 1, "32 bits"),
-    "seq_len": count(why="tokens; leave it out for the preset's length"),
-    "lr": positive("a learning rate"),
-    "clip": positive("a gradient norm"),
-}
+# `zpp train`'s counts, shared with RunConfig (`zpp_jax.cli.train`); read-only.
+RUN = MappingProxyType(
+    {
+        "nodes": count(),
+        "local": count(),
+        "stages": count(),
+        "batch": count(why="sequences per step"),
+        "grad_accum": count(why="micro-batches, at most --batch"),
+        "steps": count(why="the optimizer counts steps in int32"),
+        "warmup": count(0, why="steps"),
+        "eval_every": count(0, why="steps; 0: never"),
+        "eval_batches": count(),
+        "ckpt_every": count(0, why="steps; 0: only the last"),
+        "seed": count(0, 2**32 - 1, "32 bits"),
+        "seq_len": count(why="tokens; leave it out for the preset's length"),
+        "lr": positive("a learning rate"),
+        "clip": positive("a gradient norm"),
+    }
+)
 
 
 class Parser(argparse.ArgumentParser):
