@@ -64,6 +64,17 @@ def coordinator(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def port_taken(port: int, host: str = "127.0.0.1") -> str | None:
+    """Why `port` on `host` cannot be listened on (what the operating system
+    said: another process holds it), or None when it can."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return str(e.strerror or e)
+    return None
+
+
 def check_cpu_devices(count: int, what: str) -> None:
     """Raise UsageError unless `count` emulated CPU devices (`what` says
     which flags made it) fit in one process."""
@@ -233,14 +244,12 @@ def _check_coordinator(config: DistributedConfig) -> None:
         return  # a cluster JAX detects says where the coordinator is
     host, port = coordinator(config.coordinator_address)
     if config.process_id == 0:
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError as e:
-                raise UsageError(
-                    f"process 0 cannot serve as the coordinator on port {port}: {e.strerror or e}; "
-                    f"choose another port in ${ENV_COORDINATOR}"
-                ) from None
+        taken = port_taken(port, "")
+        if taken:
+            raise UsageError(
+                f"process 0 cannot serve as the coordinator on port {port}: {taken}; "
+                f"choose another port in ${ENV_COORDINATOR}"
+            )
         return
     deadline = time.monotonic() + config.initialization_timeout
     while True:

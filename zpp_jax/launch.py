@@ -38,6 +38,7 @@ from zpp_jax.distributed import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     MAX_CPU_DEVICES,
+    port_taken,
 )
 from zpp_jax.errors import Number, UsageError, count
 
@@ -57,14 +58,12 @@ RANGES = MappingProxyType(
 def check_port_free(port: int, host: str = "127.0.0.1") -> None:
     """Raise UsageError if a process listens on `port` already (the
     coordinator could not start there)."""
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise UsageError(
-                f"--port {port}: {e.strerror or e} on {host}; choose another port, or leave "
-                "--port out for a free one"
-            ) from None
+    taken = port_taken(port, host)
+    if taken:
+        raise UsageError(
+            f"--port {port}: {taken} on {host}; choose another port, or leave --port out for a "
+            "free one"
+        )
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -187,12 +187,13 @@ def _call_unit(module: nn.Module, info: UnitInfo, args, kwargs):
     sown_before = {(c, p): v for c, p, v in flat if isinstance(v, tuple)}
     stored = {key: (dim, ndim) for key, dim, ndim in info.dims}
     unbound = module.clone(parent=None)
-    # The collections the caller's apply may change, new ones (a first sow) included.
-    mutable = [c for c in others if module.is_mutable_collection(c)]
-    if module.scope.mutable is True or isinstance(module.scope.mutable, str):
-        mutable = module.scope.mutable
-    elif module.scope.mutable:
-        mutable = [c for c in module.scope.mutable if c not in ("params", RESIDUALS)]
+    # The collections the caller's apply may change, new ones (a first sow)
+    # included; a filter (a DenyList) lets change the ones it names of those held.
+    mutable = module.scope.mutable
+    if isinstance(mutable, list | tuple):
+        mutable = [c for c in mutable if c not in ("params", RESIDUALS)]
+    elif mutable is not True and not isinstance(mutable, str):
+        mutable = [c for c in others if module.is_mutable_collection(c)]
     sown_at: dict[str, tuple] = {}  # what the call sowed: name -> (collection, path)
 
     def run(values, state_values, call_args, call_kwargs):
@@ -221,8 +222,8 @@ def _call_unit(module: nn.Module, info: UnitInfo, args, kwargs):
         for c, items in flat_updates.items():
             for p, v in items.items():
                 if (c, p) not in state_keys:
-                    sown_at["/".join((c, *p))] = (c, p)
-                    sown[("/".join((c, *p)))] = v
+                    name = "/".join((c, *p))
+                    sown_at[name], sown[name] = (c, p), v
         return out, new + list(state_values[len(other_items) :]), sown
 
     out, new_state, sown = run_unit(

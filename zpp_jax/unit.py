@@ -60,10 +60,9 @@ _UNIT_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 @contextlib.contextmanager
 def expect_units(what: str, enabled: bool = True) -> Iterator[None]:
     """Raise UsageError if the block calls no unit (unless not `enabled`).
-    A sharded model whose
-    call traces no unit runs with none of the engine (nothing sharded,
-    quantized or reduced), as when a cached trace of the model from before
-    it was sharded is reused."""
+    A sharded model whose call traces no unit runs with none of the engine
+    (nothing sharded, quantized or reduced), as when a cached trace of the
+    model from before it was sharded is reused."""
     calls: list[str] = []
     token = _UNIT_CALLS.set(calls)
     try:
