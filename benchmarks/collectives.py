@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from zpp_jax import AXES, collectives, make_mesh  # noqa: E402
-from zpp_jax.step_report import summarize  # noqa: E402
+from zpp_jax.analysis import summarize  # noqa: E402
 
 mesh = make_mesh(args.nodes, args.local)
 n = args.nodes * args.local

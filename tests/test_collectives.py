@@ -7,7 +7,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax import AXES, NODE, collectives, make_mesh, mesh_shape, quant
-from zpp_jax.step_report import collectives_in_hlo
+from zpp_jax.analysis import collectives_in_hlo
 
 
 def _smap(mesh, f, in_specs, out_specs):

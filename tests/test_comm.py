@@ -156,7 +156,7 @@ for _key, _text in {
 
 
 def test_schedule_overlap_reads_what_runs_behind_each_collective():
-    from zpp_jax.step_report import (
+    from zpp_jax.analysis import (
         collectives_in_hlo,
         overlap_by_kind,
         schedule_overlap,
@@ -208,7 +208,7 @@ _SCHEDULE_DUMP = """\
 
 
 def test_schedule_estimate_reads_the_schedulers_statistics():
-    from zpp_jax.step_report import schedule_estimate
+    from zpp_jax.analysis import schedule_estimate
 
     est = schedule_estimate(_SCHEDULE_DUMP)
     assert est.step_us == 200.0  # 400 cycles at 2 per microsecond
@@ -235,7 +235,7 @@ def test_schedule_estimate_reads_the_schedulers_statistics():
 def test_mesh_axes_replica_groups_are_read(groups, want):
     """XLA's partitioner writes a collective's groups as mesh axes and the
     axes a group spans; each group is the devices that differ only there."""
-    from zpp_jax.step_report import collectives_in_hlo
+    from zpp_jax.analysis import collectives_in_hlo
 
     line = (
         f"  %ag = f32[8,4]{{1,0}} all-gather(%p), channel_id=1, replica_groups={groups}, dims={{0}}"

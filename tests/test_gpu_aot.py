@@ -18,11 +18,11 @@ import pytest
 from flax import nnx
 
 from zpp_jax import JitFSDP, LinkModel, Trainer, ZeroPPConfig, make_mesh, step_report
-from zpp_jax.aot import TARGET_CONFIG_ENV, has_cuda_plugin, target_config, target_mesh
+from zpp_jax.analysis import schedule_overlap
+from zpp_jax.analysis.links import collective_costs
+from zpp_jax.analysis.target import TARGET_CONFIG_ENV, has_cuda_plugin, target_config, target_mesh
 from zpp_jax.cli import main
 from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
-from zpp_jax.schedule import collective_costs
-from zpp_jax.step_report import schedule_overlap
 
 pytestmark = pytest.mark.gpu_aot
 # A compile-only client cannot load programs back from the persistent cache.
@@ -317,7 +317,7 @@ def test_comm_target_h200_prints_the_schedule(capsys):
 
 def test_scheduled_program_names_every_collective():
     """`schedule_overlap` finds each collective `collectives_in_hlo` counts."""
-    from zpp_jax.step_report import collectives_in_hlo
+    from zpp_jax.analysis import collectives_in_hlo
 
     trainer = _trainer("gpt-125m", "zeropp", _h200())
     text = trainer.compile_step(_batch("gpt-125m")).as_text()

@@ -31,8 +31,8 @@ from zpp_jax import (
     shard_spec,
     unshard_params,
 )
+from zpp_jax.analysis import collectives_in_hlo
 from zpp_jax.models.blocks import block, init_stack
-from zpp_jax.step_report import collectives_in_hlo
 
 D, F, LAYERS = 16, 40, 3  # F=40: the flat size is not a multiple of 8 or of the block
 EXACT = ZeroPPConfig.zero3(comm_dtype=None)  # fp32 wire: an unsharded model's numbers

@@ -10,8 +10,8 @@ from flax import nnx
 from test_shard import lm_gradient_step, relay_as_on_a_gpu
 
 import zpp_jax as zpp
-from zpp_jax.loops import relay_loops, zpp_relay_end, zpp_relay_start
 from zpp_jax.models import GPT, GPTConfig
+from zpp_jax.overlap.loops import relay_loops, zpp_relay_end, zpp_relay_start
 
 
 def _scans(jaxpr):

@@ -15,10 +15,10 @@ from flax import nnx
 from stopped_run import copy_stopped_after
 
 from zpp_jax import Checkpointer, UsageError, ZeroPPConfig, make_pipeline_mesh
+from zpp_jax.analysis import collectives_in_hlo
 from zpp_jax.cli.train import RunConfig, make_pipeline_trainer, parse_slices, run
 from zpp_jax.models.gpt import GPT, GPTConfig
 from zpp_jax.pipeline import PipelineTrainer, TokenPipeline
-from zpp_jax.step_report import collectives_in_hlo
 
 EXACT = ZeroPPConfig.zero3(comm_dtype=None)
 # Tiny GPT (2 layers: one per stage) at 16 tokens, fp32, 8 sequences.

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax import AXES, LOCAL, NODE
-from zpp_jax.step_report import collectives_in_hlo, summarize
+from zpp_jax.analysis import collectives_in_hlo, summarize
 
 HLO = """\
 HloModule m

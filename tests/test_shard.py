@@ -46,8 +46,8 @@ def test_persistence_threshold_keeps_small_parameters_whole(mesh24):
     norm, a unit of its own, then runs no collective (one gather, one
     re-gather and one reduce-scatter fewer), and the loss and gradients are
     the fully sharded step's (ZeRO-3, fp32 wire) to fp32 round-off."""
+    from zpp_jax.analysis import collectives_in_hlo
     from zpp_jax.models import Llama, LlamaConfig
-    from zpp_jax.step_report import collectives_in_hlo
 
     cfg = LlamaConfig(vocab_size=64, seq_len=16, d_model=64, n_layers=2)
     tokens = jax.random.randint(jax.random.key(1), (8, 16), 0, 64)
@@ -219,7 +219,7 @@ def test_gpu_order_changes_the_order_not_the_math(name, mesh24, monkeypatch):
     """On a GPU mesh the units prefetch and relay (`ShardedLayer.relayed`:
     each unit's gathers and reductions are tied to its neighbours' in the
     order the program runs them), and a layer loop is unrolled to relay its
-    layers (`zpp_jax/loops.py`). On an unrolled decoder, a scanned one and
+    layers (`zpp_jax/overlap/loops.py`). On an unrolled decoder, a scanned one and
     a model that calls its embedding twice (as input and as output layer),
     the loss and every gradient equal the CPU order's to fp32 round-off,
     with qwZ and hpZ on (qgZ off: it would turn a last-bit difference of

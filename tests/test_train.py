@@ -264,7 +264,7 @@ def test_abstract_model_compiles_the_same_step(mesh24):
     """A Trainer on an nnx.eval_shape model allocates nothing, has the
     concrete Trainer's state layout (optimizer moments and error-feedback
     residuals sharded like the parameters) and lowers to the same step."""
-    from zpp_jax.step_report import state_bytes_per_device
+    from zpp_jax.analysis import state_bytes_per_device
 
     cfg = ZeroPPConfig(error_feedback=True)
     concrete = Trainer(GPT(CFG, nnx.Rngs(0)), optax.adamw(1e-3), mesh24, cfg)

@@ -16,9 +16,9 @@ from zpp_jax._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("aot", "collectives", "distributed", "errors", "pipeline", "quant")
+_SUBMODULES = ("analysis", "collectives", "distributed", "errors", "pipeline", "quant")
 _EXPORTS = {
-    "target_mesh": "zpp_jax.aot",
+    "target_mesh": "zpp_jax.analysis",
     "JitFSDP": "zpp_jax.baseline",
     "fsdp_sharding": "zpp_jax.baseline",
     "Checkpointer": "zpp_jax.checkpoint",
@@ -59,12 +59,12 @@ _EXPORTS = {
     "ShardedLinen": "zpp_jax.shard_linen",
     "default_linen_units": "zpp_jax.shard_linen",
     "shard_linen": "zpp_jax.shard_linen",
-    "xla_flags": "zpp_jax.schedule",
-    "LinkModel": "zpp_jax.schedule",
-    "ScheduleEstimate": "zpp_jax.step_report",
-    "schedule_estimate": "zpp_jax.step_report",
-    "schedule_overlap": "zpp_jax.step_report",
-    "step_report": "zpp_jax.step_report",
+    "xla_flags": "zpp_jax.overlap",
+    "LinkModel": "zpp_jax.overlap",
+    "ScheduleEstimate": "zpp_jax.analysis",
+    "schedule_estimate": "zpp_jax.analysis",
+    "schedule_overlap": "zpp_jax.analysis",
+    "step_report": "zpp_jax.analysis",
     "Trainer": "zpp_jax.train",
     "cross_entropy": "zpp_jax.train",
     "next_token_loss": "zpp_jax.train",

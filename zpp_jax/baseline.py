@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, mesh_shape
-from zpp_jax.schedule import DEFAULT_LINKS, LinkModel, check_links, xla_flags
+from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links, xla_flags
 from zpp_jax.shard import batch_sharding
 from zpp_jax.train import LossFn, compile_for_batch, next_token_loss
 
@@ -53,7 +53,7 @@ class JitFSDP:
     precision: the partitioner then gathers them in that dtype), the
     update applied to the fp32 parameters. `model` may be abstract
     (``nnx.eval_shape``), to compile the step for a compile-only mesh
-    (`zpp_jax.aot.target_mesh`).
+    (`zpp_jax.analysis.target_mesh`).
 
     Costs what FSDP costs: each parameter is all-gathered in the forward
     pass and, unless XLA keeps the gathered copy, again in the backward

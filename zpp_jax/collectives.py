@@ -135,7 +135,7 @@ def _exchange(
     qgZ's step across nodes travels this way. XLA:GPU's scheduler keeps at
     most one collective of each kind in flight: as a permute, this step
     does not queue behind the intra-node all-to-all of the next layer's
-    reduction, and with the engine's options (`zpp_jax.schedule`) each runs
+    reduction, and with the engine's options (`zpp_jax.overlap`) each runs
     behind compute."""
     return _one_message(q, 1, lambda a: _permute_rows(a, axis), scale_dtype)
 

@@ -81,7 +81,7 @@ class ZeroPPConfig:
       unroll_layer_loops: where units relay their collectives (a GPU mesh),
         unroll every layer loop (``nnx.scan``, ``jax.lax.scan``) whose body
         calls a sharded unit, and relay its units across iterations as an
-        unrolled model's are (`zpp_jax.loops`): one layer's gradient
+        unrolled model's are (`zpp_jax.overlap.loops`): one layer's gradient
         reduction and the next layer's gather can then run behind the
         neighbouring layers' matrix multiplies, which no schedule of a loop
         body allows. The same arithmetic; the compiled program grows with

@@ -47,10 +47,10 @@ from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
-from zpp_jax.loops import unroll_relayed_loops
 from zpp_jax.mesh import AXES, mesh_shape
+from zpp_jax.overlap import prefetches
+from zpp_jax.overlap.loops import unroll_relayed_loops
 from zpp_jax.partition import quant_float_dtypes
-from zpp_jax.schedule import prefetches
 from zpp_jax.unit import (
     Outputs,
     UnitInfo,

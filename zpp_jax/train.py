@@ -30,10 +30,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zpp_jax.analysis.links import compile_with_links
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError, check_positive_finite
 from zpp_jax.mesh import AXES, mesh_shape
-from zpp_jax.schedule import DEFAULT_LINKS, LinkModel, check_links, compile_with_links, xla_flags
+from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links, xla_flags
 from zpp_jax.shard import (
     Policy,
     batch_sharding,
@@ -64,7 +65,7 @@ def compile_for_batch(trainer, batch: dict, compiler_options: dict | None = None
     a batch of `batch`'s shapes and dtypes laid out as its batch sharding,
     with `compiler_options` (default: ``trainer.compiler_options``); on a
     GPU mesh with ``trainer.links``, scheduled with the collectives' costs
-    on those links (`zpp_jax.schedule.compile_with_links`: two compiles).
+    on those links (`zpp_jax.analysis.compile_with_links`: two compiles).
     `trainer`: a `Trainer` or anything with its `train_step`,
     `abstract_state`, `batch_sharding`, `compiler_options` and `links`
     (`zpp_jax.JitFSDP`)."""
@@ -97,7 +98,7 @@ class Trainer:
     A model built abstractly (``nnx.eval_shape``) gives an abstract
     trainer (``trainer.abstract`` is True): its state is shapes, dtypes and
     shardings only, `init` refuses, and `compile_step` compiles the step,
-    for example for GPUs described by `zpp_jax.aot.target_mesh`.
+    for example for GPUs described by `zpp_jax.analysis.target_mesh`.
 
     `max_grad_norm` clips the gradients by their global norm before the
     optimizer sees them, as ``optax.clip_by_global_norm(max_grad_norm)``

@@ -32,10 +32,10 @@ from zpp_jax import collectives
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.layer import TOKEN_SIZE, ShardedLayer
-from zpp_jax.loops import zpp_relay_end, zpp_relay_start
 from zpp_jax.mesh import AXES, mesh_shape
+from zpp_jax.overlap import prefetches
+from zpp_jax.overlap.loops import zpp_relay_end, zpp_relay_start
 from zpp_jax.partition import ParamLayout
-from zpp_jax.schedule import prefetches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -483,7 +483,7 @@ class _Relay:
     """The relay token of the last unit called in the current trace, per
     mesh (see `ShardedLayer.relayed`): consecutive units of an unrolled
     model are linked through it. A unit called in another trace (a scan
-    body, a remat region) starts a chain of its own (`zpp_jax.loops` links
+    body, a remat region) starts a chain of its own (`zpp_jax.overlap.loops` links
     a layer loop's chains across its iterations, and to the units called
     before and after the loop). The last token stays
     referenced until the next unit call on its mesh or `clear_relay` (which

@@ -299,7 +299,7 @@ def _comm(args) -> int:
     if args.target == "cpu":
         mesh, make = make_mesh(args.nodes, args.local), build
     else:
-        from zpp_jax.aot import target_mesh
+        from zpp_jax.analysis import target_mesh
 
         mesh = target_mesh(args.nodes, args.local, args.target_config)
 

@@ -8,7 +8,7 @@ per-device bytes per step are totalled by the ring model, across and inside
 nodes. Peak memory per device comes from `memory_analysis()`, next to the
 bytes of the training state one device holds (parameters, optimizer state,
 error-feedback residuals). For a GPU target (compiled, not run: see
-`zpp_jax.aot`) each collective also shows what it is scheduled behind.
+`zpp_jax.analysis.target`) each collective also shows what it is scheduled behind.
 Besides the engine's configurations, "jit" is the baseline a user would
 otherwise write: plain `jax.jit` with FSDP-style shardings (`JitFSDP`).
 """
@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from zpp_jax.analysis import step_report
 from zpp_jax.baseline import JitFSDP
 from zpp_jax.config import ZeroPPConfig
-from zpp_jax.step_report import step_report
 from zpp_jax.train import Trainer
 
 DEFAULT_CONFIGS = {
@@ -54,7 +54,7 @@ def compare(
     `ZeroPPConfig` (a `Trainer` of the engine) or a baseline's builder
     from `BASELINES` (reported with ``config`` ``{"baseline": name}``).
     `make_model` may build the model abstractly (``nnx.eval_shape``), as it
-    must for a compile-only mesh (`zpp_jax.aot.target_mesh`)."""
+    must for a compile-only mesh (`zpp_jax.analysis.target_mesh`)."""
     configs = DEFAULT_CONFIGS if configs is None else configs
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     reports = []

@@ -8,13 +8,13 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zpp_jax.analysis import summarize
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.layer import ShardedLayer, stack_value_and_grad
 from zpp_jax.mesh import AXES, make_mesh, mesh_shape
 from zpp_jax.models.blocks import block, init_stack
 from zpp_jax.partition import shard_params
-from zpp_jax.step_report import summarize
 
 
 def run_demo(

@@ -32,6 +32,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from zpp_jax.analysis import summarize
 from zpp_jax.checkpoint import Checkpointer
 from zpp_jax.cli import corpus, runs
 from zpp_jax.cli.args import RUN
@@ -43,7 +44,6 @@ from zpp_jax.errors import INT32_MAX, UsageError
 from zpp_jax.mesh import make_mesh
 from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
 from zpp_jax.preemption import Stopped, StopRequest
-from zpp_jax.step_report import summarize
 from zpp_jax.train import Trainer
 
 ARCHS = ("gpt", "llama")

@@ -11,7 +11,7 @@ for whether its sharded units let their gathers run ahead (`prefetch`):
   prefetch: their gathers wait for nothing but the shard.
 * XLA's scheduler gives every asynchronous collective the same latency
   (its approximate estimator), whatever its bytes and whichever links it
-  crosses. `compile_with_links` compiles a step once more with a latency
+  crosses. `zpp_jax.analysis.links.compile_with_links` compiles a step once more with a latency
   profile that prices each collective on the links it crosses
   (`LinkModel`), as `Trainer.compile_step` does.
 * XLA:CPU runs a program in order and its collectives synchronously: no
@@ -21,11 +21,7 @@ for whether its sharded units let their gathers run ahead (`prefetch`):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import sys
-import tempfile
 
 from jax.sharding import Mesh
 
@@ -86,7 +82,7 @@ def xla_flags(mesh_or_platform: Mesh | str, unrolled: bool = False) -> dict:
     Empty on CPU and TPU.
 
     `unrolled`: no unit of the program is a stack run by a layer loop
-    (``nnx.scan``), or its layer loops are unrolled (`zpp_jax.loops`), so
+    (``nnx.scan``), or its layer loops are unrolled (`zpp_jax.overlap.loops`), so
     its units are relayed one after another (see `ShardedLayer.relayed`);
     on a GPU the options then let collectives of different kinds be in
     flight together, and keep each unit's collectives apart. `zpp.Trainer`
@@ -116,7 +112,7 @@ class LinkModel:
       over its group), whatever its size.
 
     A collective then costs ``latency_us + bytes sent / bandwidth`` (the
-    bytes of `zpp_jax.step_report.Collective.moved_bytes`, one device's
+    bytes of `zpp_jax.analysis.Collective.moved_bytes`, one device's
     share by the ring model); the scheduler keeps its own estimate of
     every kernel.
     """
@@ -143,62 +139,3 @@ def check_links(links) -> None:
     """Raise UsageError unless `links` is a `LinkModel` or None."""
     if links is not None and not isinstance(links, LinkModel):
         raise UsageError(f"links must be a zpp.LinkModel or None, got {links!r}")
-
-
-def collective_costs(hlo_text: str, local: int, links: LinkModel) -> str:
-    """A latency profile (XLA's ``ProfiledInstructionsProto``, text format)
-    with the cost `links` gives each asynchronous collective of `hlo_text`
-    (a program compiled for a mesh with `local` devices per node), under
-    the names XLA's scheduler knows it by; nothing else is priced."""
-    from zpp_jax.step_report import collectives_in_hlo, scheduling_names
-
-    names = scheduling_names(hlo_text)
-    lines = []
-    for c in collectives_in_hlo(hlo_text):
-        cost = links.cost_us(c.moved_bytes, c.spans_nodes(local))
-        lines.append(f'costs {{ name: "{names.get(c.name, c.name)}" cost_us: {cost:.3f} }}')
-    return "\n".join(lines) + "\n"
-
-
-# The option that points XLA:GPU's scheduler at a latency profile.
-_PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
-
-
-def compile_with_links(lowered, options: dict, local: int, links: LinkModel | None):
-    """`lowered` compiled with `options`; on a GPU, with `links`, twice: once
-    to learn the program's collectives, and once scheduled with their costs
-    (`collective_costs`). Both compiles see the same program, so the second
-    schedules the instructions the first named. Costs a second compile."""
-    first = lowered.compile(compiler_options=options or None)
-    if links is None or not options.get("xla_gpu_enable_latency_hiding_scheduler"):
-        return first
-    profile = collective_costs(first.as_text(), local, links)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "links.pbtxt")
-        with open(path, "w") as f:
-            f.write(profile)
-        with _without_profile_log():
-            return lowered.compile(compiler_options={**options, _PROFILE_OPTION: path})
-
-
-@contextlib.contextmanager
-def _without_profile_log():
-    """The process's stderr with the lines of XLA's profile reader left out:
-    it names every instruction the profile does not price (all but the
-    collectives, thousands per program). Everything else is written on."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as log:
-        os.dup2(log.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            log.seek(0)
-            kept = [x for x in log.read().splitlines(True) if _PROFILE_LOG not in x]
-            if kept:
-                os.write(2, b"".join(kept))
-
-
-_PROFILE_LOG = b"profile_guided_latency_estimator"

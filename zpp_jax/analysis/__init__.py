@@ -1,0 +1,46 @@
+"""Reading compiled programs: what a step moves, keeps and overlaps.
+
+* `hlo`: the collectives of an HLO text, their bytes by the ring model,
+  across and inside nodes (`collectives_in_hlo`, `summarize`).
+* `schedule`: what each collective of a scheduled GPU program runs behind
+  (`schedule_overlap`) and XLA's own estimate of the step
+  (`schedule_estimate`).
+* `report`: `step_report`, all of it for a training program's step.
+* `links`: a step compiled with each collective priced on the links it
+  crosses (`compile_with_links`).
+* `target`: a mesh of GPUs that exist only as a compile target
+  (`target_mesh`).
+
+Nothing in the engine imports this package.
+"""
+
+from zpp_jax.analysis.hlo import Collective, CommSummary, collectives_in_hlo, summarize
+from zpp_jax.analysis.links import compile_with_links
+from zpp_jax.analysis.report import state_bytes_per_device, step_report
+from zpp_jax.analysis.schedule import (
+    Scheduled,
+    ScheduleEstimate,
+    overlap_by_kind,
+    schedule_estimate,
+    schedule_overlap,
+    unhideable_by_kind,
+)
+from zpp_jax.analysis.target import has_cuda_plugin, target_mesh
+
+__all__ = [
+    "Collective",
+    "CommSummary",
+    "ScheduleEstimate",
+    "Scheduled",
+    "collectives_in_hlo",
+    "compile_with_links",
+    "has_cuda_plugin",
+    "overlap_by_kind",
+    "schedule_estimate",
+    "schedule_overlap",
+    "state_bytes_per_device",
+    "step_report",
+    "summarize",
+    "target_mesh",
+    "unhideable_by_kind",
+]

@@ -1,0 +1,75 @@
+"""Compiling a step with what each collective costs on the links it crosses.
+
+XLA's scheduler gives every asynchronous collective the same latency (its
+approximate estimator), whatever its bytes and whichever links it crosses.
+`compile_with_links` compiles a step once more with a latency profile that
+prices each collective on the links it crosses (`zpp_jax.overlap.LinkModel`),
+as `Trainer.compile_step` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+
+from zpp_jax.analysis.hlo import collectives_in_hlo, scheduling_names
+from zpp_jax.overlap import LinkModel
+
+
+def collective_costs(hlo_text: str, local: int, links: LinkModel) -> str:
+    """A latency profile (XLA's ``ProfiledInstructionsProto``, text format)
+    with the cost `links` gives each asynchronous collective of `hlo_text`
+    (a program compiled for a mesh with `local` devices per node), under
+    the names XLA's scheduler knows it by; nothing else is priced."""
+    names = scheduling_names(hlo_text)
+    lines = []
+    for c in collectives_in_hlo(hlo_text):
+        cost = links.cost_us(c.moved_bytes, c.spans_nodes(local))
+        lines.append(f'costs {{ name: "{names.get(c.name, c.name)}" cost_us: {cost:.3f} }}')
+    return "\n".join(lines) + "\n"
+
+
+# The option that points XLA:GPU's scheduler at a latency profile.
+_PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
+
+
+def compile_with_links(lowered, options: dict, local: int, links: LinkModel | None):
+    """`lowered` compiled with `options`; on a GPU, with `links`, twice: once
+    to learn the program's collectives, and once scheduled with their costs
+    (`collective_costs`). Both compiles see the same program, so the second
+    schedules the instructions the first named. Costs a second compile."""
+    first = lowered.compile(compiler_options=options or None)
+    if links is None or not options.get("xla_gpu_enable_latency_hiding_scheduler"):
+        return first
+    profile = collective_costs(first.as_text(), local, links)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "links.pbtxt")
+        with open(path, "w") as f:
+            f.write(profile)
+        with _without_profile_log():
+            return lowered.compile(compiler_options={**options, _PROFILE_OPTION: path})
+
+
+@contextlib.contextmanager
+def _without_profile_log():
+    """The process's stderr with the lines of XLA's profile reader left out:
+    it names every instruction the profile does not price (all but the
+    collectives, thousands per program). Everything else is written on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            log.seek(0)
+            kept = [x for x in log.read().splitlines(True) if _PROFILE_LOG not in x]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
+_PROFILE_LOG = b"profile_guided_latency_estimator"

@@ -1,0 +1,114 @@
+"""What a compiled training step moves and keeps.
+
+`step_report` compiles a training program's step and reports its
+collectives, the bytes a device moves per step across and inside nodes, its
+peak memory (`memory_analysis()`) and, on a GPU, what each collective is
+scheduled behind and XLA's own estimate of the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+from pathlib import Path
+
+import jax
+
+from zpp_jax.analysis.hlo import has_loop, summarize
+from zpp_jax.analysis.schedule import (
+    overlap_by_kind,
+    read_estimate,
+    schedule_overlap,
+    unhideable_by_kind,
+)
+from zpp_jax.mesh import mesh_shape
+from zpp_jax.overlap import schedules_overlap
+
+
+def step_report(trainer, batch: dict) -> dict:
+    """Compile `trainer.train_step` for `batch` (arrays or shape/dtype structs,
+    nothing is run) and report its collectives, bytes per device per step
+    across and inside nodes, peak memory per device, and, per collective,
+    the matrix multiplies it is scheduled behind (`schedule_overlap`; none
+    on CPU, whose collectives are synchronous) and whether any could be
+    (`Scheduled.hideable`; those that cannot, per kind, under
+    "unhideable"). On a GPU mesh, "estimate" is the scheduler's own
+    estimate of the step and of the communication it left exposed
+    (`ScheduleEstimate`); None elsewhere, and None, with the reason in
+    "estimate_withheld", for a program with a loop: the scheduler's
+    statistics count a loop's body once, not once per iteration. The
+    trainer may be abstract (built on an ``nnx.eval_shape`` model, for a
+    compile-only mesh); anything with the same `mesh`, `compiler_options`,
+    `compile_step` and `abstract_state` will do (`zpp_jax.JitFSDP`)."""
+    estimate = None
+    if schedules_overlap(trainer.mesh):
+        with tempfile.TemporaryDirectory() as dump:
+            options = {
+                **trainer.compiler_options,
+                "xla_dump_to": dump,
+                "xla_dump_latency_hiding_schedule": True,
+            }
+            compiled = trainer.compile_step(batch, options)
+            estimate = read_estimate(Path(dump))
+    else:
+        compiled = trainer.compile_step(batch)
+    _, local = mesh_shape(trainer.mesh)
+    text = compiled.as_text()
+    withheld = None
+    if estimate is not None and has_loop(text):
+        estimate, withheld = None, "the program has a loop, whose body XLA's statistics count once"
+    summary = summarize(text, local)
+    behind = {s.name: s for s in schedule_overlap(text)}
+    ma = compiled.memory_analysis()
+    peak = (
+        ma.argument_size_in_bytes
+        + ma.output_size_in_bytes
+        + ma.temp_size_in_bytes
+        - ma.alias_size_in_bytes
+    )
+    return {
+        "cross_node_bytes": summary.cross_node_bytes,
+        "intra_node_bytes": summary.intra_node_bytes,
+        "peak_memory_bytes": int(peak),
+        "state_bytes": state_bytes_per_device(trainer.abstract_state()),
+        "overlap": {k: list(v) for k, v in overlap_by_kind(list(behind.values())).items()},
+        "unhideable": unhideable_by_kind(list(behind.values())),
+        "estimate": None if estimate is None else dataclasses.asdict(estimate),
+        "estimate_withheld": withheld,
+        "collectives": [
+            {
+                "kind": c.kind,
+                "dtypes": list(c.dtypes),
+                "bytes": c.result_bytes,
+                "moved_bytes": c.moved_bytes,
+                "replica_groups": [list(g) for g in c.groups],
+                "runs": c.runs,
+                "spans_nodes": c.spans_nodes(local),
+                "async": c.name in behind and behind[c.name].is_async,
+                "behind": list(behind[c.name].behind) if c.name in behind else [],
+                "op": behind[c.name].op if c.name in behind else "",
+                "hideable": c.name not in behind or behind[c.name].hideable,
+            }
+            for c in summary.collectives
+        ],
+    }
+
+
+def state_bytes_per_device(state) -> int:
+    """Bytes of a state tree one device holds (the largest per-device
+    share): of arrays, or of shape/dtype structs with shardings."""
+    per_device: dict = {}
+    for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            shards = leaf.sharding.devices_indices_map(leaf.shape).items()
+            for device, index in shards:
+                size = math.prod(
+                    len(range(*i.indices(n))) for i, n in zip(index, leaf.shape, strict=True)
+                )
+                per_device[device.id] = per_device.get(device.id, 0) + size * leaf.dtype.itemsize
+            continue
+        for shard in getattr(leaf, "addressable_shards", ()):
+            key = shard.device.id
+            per_device[key] = per_device.get(key, 0) + shard.data.nbytes
+    return max(per_device.values(), default=0)

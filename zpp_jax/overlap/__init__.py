@@ -1,0 +1,33 @@
+"""What runs behind what: everything that orders the engine's communication
+against its compute, and nothing of the math.
+
+* `options`: the XLA options per platform (`xla_flags`), whether units
+  prefetch their gathers, and the `LinkModel` of a cluster's links.
+* `relay`: the relay token that orders consecutive units' collectives
+  against each other's compute, its ties, and the chain of the current
+  trace (`relay_scope`).
+* `loops`: layer loops unrolled so that their units join one relay chain.
+
+The engine core (`zpp_jax.layer`, `zpp_jax.unit`) calls it through hooks;
+nothing here changes a value.
+"""
+
+from zpp_jax.overlap.options import (
+    DEFAULT_LINKS,
+    LinkModel,
+    check_links,
+    platform,
+    prefetches,
+    schedules_overlap,
+    xla_flags,
+)
+
+__all__ = [
+    "DEFAULT_LINKS",
+    "LinkModel",
+    "check_links",
+    "platform",
+    "prefetches",
+    "schedules_overlap",
+    "xla_flags",
+]
