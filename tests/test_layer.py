@@ -415,58 +415,9 @@ def test_bad_calls_are_named(mesh24):
         make_mesh(3, 3)
 
 
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_gradient_quantized_tensor_by_tensor_equals_flat(bits, rounding):
-    """The blocks of the flat fp32 gradient, computed tensor by tensor
-    (aligned leaves; gaps and padding as zero blocks), bit for bit."""
-    from zpp_jax.layer import _quantize_flat_blocks
-
-    tree = {"a": jnp.arange(-50.0, 50.0).reshape(4, 25) / 7, "b": jnp.full((3,), 7.3), "c": -2.5}
-    layout = FlatLayout.from_tree(tree, 8, align=64)
-    ref = jax.jit(lambda t: quant.quantize(layout.flatten(t), bits, 32, rounding=rounding))(tree)
-    got = jax.jit(lambda t: _quantize_flat_blocks(layout, t, bits, 32, rounding, "float32"))(tree)
-    np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(ref.codes))
-    np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(ref.scales))
-
-
-@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_per_parameter_gradient_quantized_by_tensor_equals_flat(bits, rounding, scale_dtype):
-    """Per-parameter layout: the blocks of the fp32 rows, computed tensor by
-    tensor with the short rows quantized together in one call (gaps and
-    padding as zero blocks), bit for bit."""
-    from zpp_jax.layer import _SHORT_ROW, _quantize_rows_by_tensor
-    from zpp_jax.partition import ParamLayout
-
-    rng = np.random.default_rng(3)
-    shapes = {"w": (16, 512), "b": (8,), "c": (24, 3), "e": (8, 40), "f": (8, 300)}
-    dims = {"w": 1, "b": 0, "c": 0, "e": 0, "f": 0}
-    tree = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
-    layout = ParamLayout.from_tree(tree, [dims[k] for k in sorted(dims)], 8, 32, 256)
-    rows = {k: layout.slices[i][1] for i, k in enumerate(sorted(shapes))}
-    assert rows["w"] > _SHORT_ROW and rows["f"] > _SHORT_ROW  # quantized one by one
-    assert max(rows["b"], rows["c"], rows["e"]) <= _SHORT_ROW  # quantized together
-    assert layout.shard_size > sum(rows.values())  # with zero gaps
-
-    def ref(t):
-        flat = layout.flatten_rows(t).reshape(-1)
-        return quant.quantize(flat, bits, 32, rounding=rounding, scale_dtype=scale_dtype)
-
-    want = jax.jit(ref)(tree)
-    got = jax.jit(lambda t: _quantize_rows_by_tensor(layout, t, bits, 32, rounding, scale_dtype))(
-        tree
-    )
-    np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(want.codes))
-    np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
-
-
 def test_aligned_layer_gradients_match_the_flat_quantization(mesh24, monkeypatch):
     """Through the whole layer: quantizing the gradient tensor by tensor gives
     the same shard gradients as quantizing the assembled flat vector."""
-    import zpp_jax.layer as layer_module
-
     stack, x = _data(8)
     # Nearest rounding: the two programs may round the fp32 gradient
     # differently in its last bit, and stochastic rounding, which hashes the
@@ -481,7 +432,7 @@ def test_aligned_layer_gradients_match_the_flat_quantization(mesh24, monkeypatch
             layout.flatten(tree), bits, block, rounding=rounding, scale_dtype=scale_dtype
         )
 
-    monkeypatch.setattr(layer_module, "_quantize_flat_blocks", flat)
+    monkeypatch.setattr(FlatLayout, "quantize_gradient", flat)
     # A fresh trace (not the cached program), so that the patch takes effect.
     f, _ = sharded_loss_and_grads.__wrapped__(mesh24, config, layout)
     _, by_flat, _ = f(shards, x, None)
@@ -519,7 +470,7 @@ def _relay_chain(mesh, config, relay):
     """Three relayed layers of different widths (one matrix each) in one
     shard_map; returns (the jitted gradients of the three shards and of the
     input, the arguments)."""
-    from zpp_jax.layer import TOKEN_SIZE
+    from zpp_jax.overlap.relay import TOKEN_SIZE
 
     def fn(p, h):
         return jnp.tanh(h @ p["w"])

@@ -28,7 +28,8 @@ from zpp_jax import collectives, quant, residuals
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, LOCAL, NODE, mesh_shape
-from zpp_jax.partition import FlatLayout, ParamLayout, shard_spec
+from zpp_jax.overlap import relay
+from zpp_jax.partition import Layout, shard_spec
 
 PyTree = Any
 
@@ -84,7 +85,7 @@ class ShardedLayer:
     def __init__(
         self,
         fn: Callable[[PyTree, Any], Any],
-        layout: FlatLayout | ParamLayout,
+        layout: Layout,
         config: ZeroPPConfig,
         compute_dtype=None,
         reduction: str = "mean",
@@ -100,6 +101,7 @@ class ShardedLayer:
         self.config = config
         self.compute_dtype = compute_dtype
         self.reduction = reduction
+        self._order = relay.LayerOrder(prefetch=prefetch, hpz=config.hpz)
         self._apply = _build(self)
         self._held = _build_held(self)
 
@@ -125,7 +127,7 @@ class ShardedLayer:
     ) -> tuple[Any, jax.Array]:
         """`__call__` that also takes and returns a relay token, which
         orders consecutive layers' communication against each other's
-        compute. The token is a (`TOKEN_SIZE`,) float32 array per device
+        compute. The token is a (`relay.TOKEN_SIZE`,) float32 array per device
         whose values mean nothing: pass the one the previous layer returned
         (zeros for the first layer) and hand the returned one to the next
         layer.
@@ -191,31 +193,31 @@ class ShardedLayer:
 
     # -- the pieces the custom_vjp is built from -------------------------------
 
-    def _gather_forward(self, shard, after=None):
+    def _gather_forward(self, shard, token=None):
         """The full parameters (a pytree) and the hpZ secondary shard (or None).
 
         With hpZ the gather is hierarchical: first over `node` (each device
         then holds the shards of its local index on every node: the
         secondary, nodes*s elements on the wire), then over `local`. Across
         nodes a device sends s elements instead of the (N-1)/N of the full
-        vector a flat ring carries over each node boundary.
+        vector a flat ring carries over each node boundary. `token`: the
+        relay token, which the gathers wait on (`LayerOrder`).
         """
-        wire = self._to_wire(shard)
-        if after is not None:
-            # Relayed: the cross-node gather runs two layers ahead, the
-            # local one (or the flat one, without hpZ) one layer ahead.
-            wire = _after(wire, after[1:2] if self.config.hpz else after[:1], apart=True)
-        if not self.config.hpz:
-            return self._decode(collectives.gather_all(wire)), None
-        secondary = collectives.gather_over(wire, NODE)
-        if after is not None:
-            secondary = _after(secondary, after[:1], apart=True)
-        return self._assemble(secondary), secondary
+        with jax.named_scope("zpp_quantize"):
+            wire = self._to_wire(shard)
+        with jax.named_scope("zpp_gather"):
+            wire = self._order.wire_for_gather(wire, token)
+            if not self.config.hpz:
+                return self._decode(collectives.gather_all(wire)), None
+            secondary = collectives.gather_over(wire, NODE)
+            secondary = self._order.secondary_for_gather(secondary, token)
+            return self._assemble(secondary), secondary
 
     def _gather_backward(self, saved):
         if not self.config.hpz:
             return self._gather_forward(saved)[0]
-        return self._assemble(saved)
+        with jax.named_scope("zpp_gather"):
+            return self._assemble(saved)
 
     def _to_wire(self, shard):
         """This device's shard as it travels: one vector of bytes holding its
@@ -332,19 +334,17 @@ class ShardedLayer:
         (1,) float32 zeros that exist once qgZ's step inside the node has
         finished (None for a reduction in one step)."""
         cfg, layout, mean = self.config, self.layout, self.reduction == "mean"
-        if cfg.quantize_gradients:
+        if not cfg.quantize_gradients:
+            with jax.named_scope("zpp_reduce"):
+                flat = layout.flatten_rows(grads).reshape(-1)
+                return collectives.reduce_scatter(flat, cfg.comm_dtype, mean=mean), None, None
+        with jax.named_scope("zpp_quantize"):
             if residual is None and layout.align % cfg.grad_block == 0:
                 # Every tensor starts on a block boundary, so the blocks of the
                 # flat vector are the blocks of each tensor (zero blocks in the
                 # gaps): quantizing tensor by tensor gives the same bits without
                 # writing and re-reading the whole fp32 gradient.
-                quantize = (
-                    _quantize_flat_blocks
-                    if isinstance(layout, FlatLayout)
-                    else _quantize_rows_by_tensor
-                )
-                flat = quantize(
-                    layout,
+                flat = layout.quantize_gradient(
                     grads,
                     cfg.gradient_bits,
                     cfg.grad_block,
@@ -353,7 +353,8 @@ class ShardedLayer:
                 )
             else:
                 flat = layout.flatten_rows(grads).reshape(-1)
-            node_step = []
+        node_step = []
+        with jax.named_scope("zpp_reduce"):
             shard, new_residual = collectives.hierarchical_reduce_scatter(
                 flat,
                 cfg.gradient_bits,
@@ -362,140 +363,9 @@ class ShardedLayer:
                 mean=mean,
                 rounding=cfg.gradient_rounding,
                 scale_dtype=cfg.gradient_scale_dtype,
-                before_node_step=lambda q: node_step.append(_after(_ZERO, q.scales)),
+                before_node_step=lambda q: node_step.append(relay.done_marker(q.scales)),
             )
-            return shard, new_residual, (node_step[0] if node_step else None)
-        flat = layout.flatten_rows(grads).reshape(-1)
-        return collectives.reduce_scatter(flat, cfg.comm_dtype, mean=mean), None, None
-
-
-def _quantize_flat_blocks(
-    layout: FlatLayout, tree: PyTree, bits: int, block: int, rounding: str, scale_dtype: str
-) -> quant.QuantizedBlocks:
-    """``quantize(layout.flatten(tree), bits, block)`` bit for bit, computed
-    tensor by tensor: codes (N*s/block, ...) and scales (N*s/block,). Needs
-    every leaf offset and the shard size to be multiples of `block`
-    (``layout.align % block == 0``); alignment gaps and padding are zero
-    blocks (scale 0, codes 0), which is what quantizing zeros gives."""
-    codes, scales, end = [], [], 0
-    code_dtype = jnp.uint8 if bits == 4 else jnp.int8
-
-    def zero_blocks(count):
-        codes.append(jnp.zeros((count, block * bits // 8), code_dtype))
-        scales.append(jnp.zeros((count,), jnp.float32))
-
-    for leaf, offset in zip(layout.treedef.flatten_up_to(tree), layout.offsets, strict=True):
-        if offset > end:
-            zero_blocks((offset - end) // block)
-        x = jnp.ravel(leaf).astype(jnp.float32)
-        if x.size == 0:
-            continue
-        count = -(-x.size // block)
-        x = jnp.pad(x, (0, count * block - x.size))
-        q = kernels.quantize(
-            x.reshape(count, block), bits, block, rounding=rounding, scale_dtype=scale_dtype
-        )
-        codes.append(q.codes.reshape(count, -1))
-        scales.append(q.scales.reshape(count))
-        end = offset + count * block
-    if layout.padded_size > end:
-        zero_blocks((layout.padded_size - end) // block)
-    return quant.QuantizedBlocks(jnp.concatenate(codes), jnp.concatenate(scales))
-
-
-def _quantize_rows_by_tensor(
-    layout: ParamLayout, tree: PyTree, bits: int, block: int, rounding: str, scale_dtype: str
-) -> quant.QuantizedBlocks:
-    """``quantize(layout.flatten_rows(tree).reshape(-1), bits, block)`` bit
-    for bit, tensor by tensor: each parameter's rows (N, its block size) are
-    quantized on their own and the blocks interleaved per device. Rows of at
-    most `_SHORT_ROW` elements (biases, norm scales) are quantized together,
-    in one call, as the pieces of one array: copying them costs less than a
-    call each. Needs the offsets and the shard size to be multiples of
-    `block`."""
-    n, code_dtype = layout.num_shards, jnp.uint8 if bits == 4 else jnp.int8
-    leaves = layout.treedef.flatten_up_to(tree)
-
-    def blocks_of(i):
-        k = layout.slices[i][1]
-        count = -(-k // block)
-        x = jnp.pad(layout.device_rows(leaves[i], i), ((0, 0), (0, count * block - k)))
-        return x.reshape(n, count, block)
-
-    def quantize(x):
-        q = kernels.quantize(x, bits, block, rounding=rounding, scale_dtype=scale_dtype)
-        return q.codes, q.scales
-
-    short = [i for i in layout.order if layout.slices[i][1] <= _SHORT_ROW]
-    pieces = {i: quantize(blocks_of(i)) for i in layout.order if i not in short}
-    if short:
-        parts = [blocks_of(i) for i in short]
-        codes, scales = quantize(jnp.concatenate(parts, axis=1))
-        start = 0
-        for i, part in zip(short, parts, strict=True):
-            count = part.shape[1]
-            pieces[i] = codes[:, start : start + count], scales[:, start : start + count]
-            start += count
-
-    codes, scales, end = [], [], 0
-
-    def zero_blocks(count):
-        codes.append(jnp.zeros((n, count, block * bits // 8), code_dtype))
-        scales.append(jnp.zeros((n, count), jnp.float32))
-
-    for i in layout.order:
-        off, k = layout.slices[i]
-        if off > end:
-            zero_blocks((off - end) // block)
-        codes.append(pieces[i][0])
-        scales.append(pieces[i][1])
-        end = off + -(-k // block) * block
-    if layout.shard_size > end:
-        zero_blocks((layout.shard_size - end) // block)
-    c, s = jnp.concatenate(codes, axis=1), jnp.concatenate(scales, axis=1)
-    return quant.QuantizedBlocks(c.reshape(-1, c.shape[-1]), s.reshape(-1))
-
-
-# Elements per device below which a parameter's gradient rows are quantized
-# together with the other short ones (1 KiB of fp32 per device and tensor).
-_SHORT_ROW = 256
-
-
-def _after(tree, *deps, apart: bool = False):
-    """`tree` made to depend on the first element of every float array in
-    `deps`: a data dependency that no compiler pass can remove (an
-    optimization barrier is dropped before XLA:GPU schedules, and XLA:CPU
-    drops barriers before its last CSE pass) or see through, so a
-    collective on `tree` can neither be hoisted before `deps` exist nor
-    merged with an identical one elsewhere. The values are unchanged,
-    infinities and NaNs in `deps` included: each element is made finite
-    before it is multiplied by 0. Costs one add over each numeric array of
-    `tree` (integer codes and raw bits included), and `apart` one kernel
-    per element.
-
-    `apart`: each element is read by a kernel of its own, behind a barrier.
-    Otherwise XLA:GPU merges ties that read the same arrays (neighbouring
-    layers' tokens, a layer's saved activations) with each other or with
-    other work into one multi-output fusion, and each tie then waits for
-    what all of them wait for: a layer's input cotangent for its own
-    gradient reduction, say, which the relay runs behind the next layer's
-    compute. The ties that order a unit's collectives against its
-    neighbours' work use it."""
-    firsts = [jnp.ravel(x)[0].astype(jnp.float32) for x in _floats(deps)]
-    if not firsts:
-        return tree
-    if apart:
-        firsts = [lax.optimization_barrier(x) for x in firsts]
-    zero = sum(jnp.nan_to_num(x) * 0 for x in firsts)
-
-    def tie(x):
-        return x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.number) else x
-
-    return jax.tree.map(tie, tree)
-
-
-def _floats(tree) -> list:
-    return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating) and x.size]
+        return shard, new_residual, (node_step[0] if node_step else None)
 
 
 # The named recomputation policies ("full" is the layer's own path).
@@ -503,34 +373,26 @@ _POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_saveable, "full"
 
 
 def _build(layer: ShardedLayer):
-    remat = layer.config.remat
+    """The layer's `custom_vjp`: gather -> compute forward; re-gather ->
+    vjp -> reduce backward, with `layer._order`'s ties between them."""
+    remat, order = layer.config.remat, layer._order
     policy = _POLICIES[remat] if isinstance(remat, str) else remat
     fn = layer.fn if policy is None else jax.checkpoint(layer.fn, policy=policy)
 
-    # The forward gather. Relayed: it waits for the previous layer's input
-    # (the token), so it runs behind the previous layer and no earlier.
-    # Prefetch alone: it depends on the shard only. Otherwise it is tied to
-    # this layer's input, so that an in-order backend never gathers every
-    # layer of an unrolled list at once.
-    def tied(shard, x, token):
-        if token is not None or layer.prefetch:
-            return shard
-        return _after(shard, x)
-
     @jax.custom_vjp
     def apply(shard, residual, x, token):
-        params, _ = layer._gather_forward(tied(shard, x, token), token)
-        return layer.fn(params, x), _signal(token, x)
+        params, _ = layer._gather_forward(order.shard_for_gather(shard, x, token), token)
+        return layer.fn(params, x), order.handed_on(token, x)
 
     def fwd(shard, residual, x, token):
         shard, residual, x, token = _values((shard, residual, x, token))
-        params, secondary = layer._gather_forward(tied(shard, x, token), token)
+        params, secondary = layer._gather_forward(order.shard_for_gather(shard, x, token), token)
         if remat == "full":
             y, kept = layer.fn(params, x), x
         else:
             y, kept = residuals.split_vjp(fn, params, x)
         saved = secondary if layer.config.hpz else shard
-        return (y, _signal(token, x)), (saved, residual, kept)
+        return (y, order.handed_on(token, x)), (saved, residual, kept)
 
     def bwd(res, cotangents):
         # Relayed and no later layer asks for anything (the token's
@@ -539,21 +401,7 @@ def _build(layer: ShardedLayer):
         first = isinstance(cotangents[1], SymbolicZero)
         g, g_token = _instantiate(cotangents)
         saved, residual, kept = res
-        # The re-gather must not be merged with the forward gather (the full
-        # weight would stay alive in between). Tied to the cotangent, it
-        # waits for the later layer's backward pass; relayed, it waits for
-        # the later layer's backward pass to *start* and runs behind it;
-        # tied to the saved activations (prefetch), it may run behind it.
-        # The barrier keeps XLA from fusing the re-gather's input with the
-        # forward gather's, which would make the forward gather wait for
-        # what the re-gather is tied to.
-        if g_token is not None:
-            saved = _after(lax.optimization_barrier(saved), kept, g_token[:1], apart=True)
-        elif layer.prefetch:
-            saved = _after(lax.optimization_barrier(saved), kept if _floats(kept) else g)
-        else:
-            saved, g = lax.optimization_barrier((saved, g))
-            saved = _after(saved, g)
+        saved, g = order.saved_for_regather(saved, kept, g, g_token)
         params = layer._gather_backward(saved)
         if remat == "full":
             _, vjp = jax.vjp(layer.fn, params, kept)
@@ -561,35 +409,9 @@ def _build(layer: ShardedLayer):
             vjp = residuals.pullback(kept, params)
         g_params, g_x = vjp(g)
         shard_grad, new_residual, node_step = layer._reduce(g_params, residual)
-        if g_token is None:
-            return shard_grad, new_residual, g_x, None
-        # Relayed: this layer's input cotangent leaves only once what the
-        # later layer asked for has finished (`g_token[1]`), so that work
-        # ran behind this layer's backward compute and none piles up at the
-        # end of the step. A reduction in one step asks for all of it. qgZ
-        # asks for its step inside the node here and hands its step across
-        # nodes on (`[2]`) to the layer after: each step then has a layer's
-        # backward compute to run behind, where both steps in one layer's
-        # window left the scheduler room for only one. (Also tying the
-        # cotangent to this layer's own weight gradient, so that its
-        # reduction could start earlier, cost memory with error feedback
-        # and overlap without it.)
-        g_x = _after(g_x, g_token[1:2], apart=True)
-        done = _after(shard_grad[:1], g_token[2:3], apart=True)
-        if node_step is None:
-            wait, hand_on = done, _ZERO
-        else:
-            wait, hand_on = _after(node_step, g_token[2:3], apart=True), done
-        # [0] lets the layer before re-gather its weights. A layer gives it
-        # once its cotangent has arrived; the first layer of the backward
-        # pass gives it once its own forward pass has run, so that the
-        # re-gather can run behind the loss and this layer's backward pass
-        # (it follows its forward pass, with no other layer's backward pass
-        # between them). That also puts the re-gather and the compute after
-        # it where the scheduler, which orders by the collective latency
-        # above each instruction, runs this layer's reduction behind them.
-        started = _after(_ZERO, kept if first and _floats(kept) else g)
-        return shard_grad, new_residual, g_x, jnp.concatenate([started, wait, hand_on])
+        started_after = kept if first and relay.floats(kept) else g
+        g_x, g_token = order.released(g_x, shard_grad, node_step, g_token, started_after)
+        return shard_grad, new_residual, g_x, g_token
 
     apply.defvjp(fwd, bwd, symbolic_zeros=True)
     return apply
@@ -616,24 +438,6 @@ def _instantiate(tree):
         return jnp.zeros(z.shape, z.dtype)
 
     return jax.tree.map(zeros, tree, is_leaf=lambda z: isinstance(z, SymbolicZero))
-
-
-# A relay token: zeros per device, float32, that exist once some work has
-# finished. Forward, from each layer to the next: [0] this layer's input,
-# [1] the previous layer's input. Backward (its cotangent), from each layer
-# to the one before: [0] the backward pass has started; [1] what the
-# receiving layer's input cotangent must wait for; [2] what the receiving
-# layer passes on in its own [1] (qgZ's step across nodes, a layer later).
-TOKEN_SIZE = 3
-_ZERO = np.zeros((1,), np.float32)
-
-
-def _signal(token, x):
-    """The relay token a layer hands on in the forward pass (None when not
-    relayed)."""
-    if token is None:
-        return None
-    return jnp.concatenate([_after(_ZERO, x), token[:1], _ZERO])
 
 
 def _build_held(layer: ShardedLayer):

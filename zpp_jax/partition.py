@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,98 @@ from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, mesh_shape
 
 PyTree = Any
+
+
+def _quantize_flat_blocks(
+    layout: FlatLayout, tree: PyTree, bits: int, block: int, rounding: str, scale_dtype: str
+) -> quant.QuantizedBlocks:
+    """``quantize(layout.flatten(tree), bits, block)`` bit for bit, computed
+    tensor by tensor: codes (N*s/block, ...) and scales (N*s/block,). Needs
+    every leaf offset and the shard size to be multiples of `block`
+    (``layout.align % block == 0``); alignment gaps and padding are zero
+    blocks (scale 0, codes 0), which is what quantizing zeros gives."""
+    codes, scales, end = [], [], 0
+    code_dtype = jnp.uint8 if bits == 4 else jnp.int8
+
+    def zero_blocks(count):
+        codes.append(jnp.zeros((count, block * bits // 8), code_dtype))
+        scales.append(jnp.zeros((count,), jnp.float32))
+
+    for leaf, offset in zip(layout.treedef.flatten_up_to(tree), layout.offsets, strict=True):
+        if offset > end:
+            zero_blocks((offset - end) // block)
+        x = jnp.ravel(leaf).astype(jnp.float32)
+        if x.size == 0:
+            continue
+        count = -(-x.size // block)
+        x = jnp.pad(x, (0, count * block - x.size))
+        q = quant.quantize(
+            x.reshape(count, block), bits, block, rounding=rounding, scale_dtype=scale_dtype
+        )
+        codes.append(q.codes.reshape(count, -1))
+        scales.append(q.scales.reshape(count))
+        end = offset + count * block
+    if layout.padded_size > end:
+        zero_blocks((layout.padded_size - end) // block)
+    return quant.QuantizedBlocks(jnp.concatenate(codes), jnp.concatenate(scales))
+
+
+def _quantize_rows_by_tensor(
+    layout: ParamLayout, tree: PyTree, bits: int, block: int, rounding: str, scale_dtype: str
+) -> quant.QuantizedBlocks:
+    """``quantize(layout.flatten_rows(tree).reshape(-1), bits, block)`` bit
+    for bit, tensor by tensor: each parameter's rows (N, its block size) are
+    quantized on their own and the blocks interleaved per device. Rows of at
+    most `_SHORT_ROW` elements (biases, norm scales) are quantized together,
+    in one call, as the pieces of one array: copying them costs less than a
+    call each. Needs the offsets and the shard size to be multiples of
+    `block`."""
+    n, code_dtype = layout.num_shards, jnp.uint8 if bits == 4 else jnp.int8
+    leaves = layout.treedef.flatten_up_to(tree)
+
+    def blocks_of(i):
+        k = layout.slices[i][1]
+        count = -(-k // block)
+        x = jnp.pad(layout.device_rows(leaves[i], i), ((0, 0), (0, count * block - k)))
+        return x.reshape(n, count, block)
+
+    def quantize(x):
+        q = quant.quantize(x, bits, block, rounding=rounding, scale_dtype=scale_dtype)
+        return q.codes, q.scales
+
+    short = [i for i in layout.order if layout.slices[i][1] <= _SHORT_ROW]
+    pieces = {i: quantize(blocks_of(i)) for i in layout.order if i not in short}
+    if short:
+        parts = [blocks_of(i) for i in short]
+        codes, scales = quantize(jnp.concatenate(parts, axis=1))
+        start = 0
+        for i, part in zip(short, parts, strict=True):
+            count = part.shape[1]
+            pieces[i] = codes[:, start : start + count], scales[:, start : start + count]
+            start += count
+
+    codes, scales, end = [], [], 0
+
+    def zero_blocks(count):
+        codes.append(jnp.zeros((n, count, block * bits // 8), code_dtype))
+        scales.append(jnp.zeros((n, count), jnp.float32))
+
+    for i in layout.order:
+        off, k = layout.slices[i]
+        if off > end:
+            zero_blocks((off - end) // block)
+        codes.append(pieces[i][0])
+        scales.append(pieces[i][1])
+        end = off + -(-k // block) * block
+    if layout.shard_size > end:
+        zero_blocks((layout.shard_size - end) // block)
+    c, s = jnp.concatenate(codes, axis=1), jnp.concatenate(scales, axis=1)
+    return quant.QuantizedBlocks(c.reshape(-1, c.shape[-1]), s.reshape(-1))
+
+
+# Elements per device below which a parameter's gradient rows are quantized
+# together with the other short ones (1 KiB of fp32 per device and tensor).
+_SHORT_ROW = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +256,8 @@ class FlatLayout:
         if self.padded_size > end:
             parts.append(jnp.zeros((self.padded_size - end,), jnp.float32))
         return jnp.concatenate(parts)
+
+    quantize_gradient = _quantize_flat_blocks
 
     def unflatten(self, flat: jax.Array, dtype=None) -> PyTree:
         """The pytree from a flat vector of at least `size` elements (traceable).
@@ -325,6 +419,38 @@ class ParamLayout:
         if self.shard_size > end:
             rows.append(jnp.zeros((n, self.shard_size - end), jnp.float32))
         return jnp.concatenate(rows, axis=1)
+
+    quantize_gradient = _quantize_rows_by_tensor
+
+
+class Layout(Protocol):
+    """What the engine needs of a layout: where a unit's parameters live in
+    each device's (s,) vector, and the way back. `FlatLayout` and
+    `ParamLayout` implement it; `ShardedLayer` takes either."""
+
+    treedef: Any
+    num_shards: int
+    shard_size: int
+    align: int
+
+    @property
+    def segments(self) -> tuple[tuple[int, int], ...]:
+        """(offset, length) of each contiguous run of one tensor in the vector."""
+
+    def flatten_rows(self, tree: PyTree) -> jax.Array:
+        """fp32 rows (N, s): row d is device d's vector of `tree`."""
+
+    def unflatten_rows(self, rows: jax.Array, dtype=None) -> PyTree:
+        """The full parameters from every device's vector, stacked as rows."""
+
+    def from_segments(self, values, dtype=None) -> PyTree:
+        """The full parameters from each segment's rows, in `segments` order."""
+
+    def quantize_gradient(
+        self, tree: PyTree, bits: int, block: int, rounding: str, scale_dtype: str
+    ) -> quant.QuantizedBlocks:
+        """The blocks of ``flatten_rows(tree)`` quantized, bit for bit, tensor
+        by tensor (needs ``align % block == 0``)."""
 
 
 def quant_float_dtypes():

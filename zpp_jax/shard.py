@@ -50,6 +50,7 @@ from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.overlap import prefetches
 from zpp_jax.overlap.loops import unroll_relayed_loops
+from zpp_jax.overlap.relay import relay_scope
 from zpp_jax.partition import quant_float_dtypes
 from zpp_jax.unit import (
     Outputs,
@@ -58,7 +59,6 @@ from zpp_jax.unit import (
     check_block_sizes,
     check_outputs,
     check_units,
-    clear_relay,
     place,
     run_unit,
     shard_dim,
@@ -550,8 +550,10 @@ def value_and_grad(f: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
-        value, grads = (unrolled if unrolls_layer_loops((args, kwargs)) else inner)(*args, **kwargs)
-        clear_relay()
+        with relay_scope():
+            value, grads = (unrolled if unrolls_layer_loops((args, kwargs)) else inner)(
+                *args, **kwargs
+            )
         grads_t = (grads,) if isinstance(argnums, int) else tuple(grads)
         out = []
         for pos, g in zip(positions, grads_t, strict=True):

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, mesh_shape
+from zpp_jax.overlap.relay import relay_scope
 from zpp_jax.partition import quant_float_dtypes
 from zpp_jax.unit import (
     Outputs,
@@ -145,6 +146,7 @@ class ShardedLinen:
         whole = kwargs.get("method") in (None, "__call__")  # another method may use no unit
         with (
             expect_units("the model's __call__", whole),
+            relay_scope(),
             nn.intercept_methods(self._intercept),
             jax.disable_jit(),
         ):

@@ -35,6 +35,7 @@ from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError, check_positive_finite
 from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links, xla_flags
+from zpp_jax.overlap.relay import relay_scope
 from zpp_jax.shard import (
     Policy,
     batch_sharding,
@@ -268,7 +269,8 @@ class Trainer:
         self.check_batch_size(jax.tree.leaves(batch)[0].shape[0])
         model, _ = nnx.merge(self._graphdef, state, copy=True)
         model.eval()
-        return self.loss_fn(model, batch)
+        with relay_scope():
+            return self.loss_fn(model, batch)
 
 
 PyTree = Any

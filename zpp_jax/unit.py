@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -31,10 +30,10 @@ from jax.sharding import PartitionSpec as P
 from zpp_jax import collectives
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
-from zpp_jax.layer import TOKEN_SIZE, ShardedLayer
+from zpp_jax.layer import ShardedLayer
 from zpp_jax.mesh import AXES, mesh_shape
 from zpp_jax.overlap import prefetches
-from zpp_jax.overlap.loops import zpp_relay_end, zpp_relay_start
+from zpp_jax.overlap.relay import current_chains
 from zpp_jax.partition import ParamLayout
 
 
@@ -293,7 +292,8 @@ def run_unit(
     # neighbours' communication, so it is left out of the relay chain and
     # its own few bytes are scheduled freely.
     relayed = layout is not None and any(np.ndim(v) >= 2 for _, v, _, _ in params)
-    token = _relay.take(info.mesh) if prefetch and relayed and not eager else None
+    chains = current_chains() if prefetch and relayed and not eager else None
+    token = None if chains is None else chains.take(info.mesh)
 
     def local(blocks, rep, state_values, arg_values, residual, token):
         inputs = (rep, state_values, arg_values)
@@ -336,7 +336,7 @@ def run_unit(
         token,
     )
     if token is not None:
-        _relay.put(info.mesh, token)
+        chains.put(info.mesh, token)
     changed = [
         (item, x)
         for item, x in zip(arg_items, new_args, strict=True)
@@ -477,46 +477,6 @@ def _not_per_example(info: UnitInfo, name: str, a: jax.Array, local_batch: int) 
         "outputs='mean') is exact for a mean over the rows, 'sum' for a sum over them, or a "
         "function (unit, output) -> 'batch' | 'mean' | 'sum' | None for each output"
     )
-
-
-class _Relay:
-    """The relay token of the last unit called in the current trace, per
-    mesh (see `ShardedLayer.relayed`): consecutive units of an unrolled
-    model are linked through it. A unit called in another trace (a scan
-    body, a remat region) starts a chain of its own (`zpp_jax.overlap.loops` links
-    a layer loop's chains across its iterations, and to the units called
-    before and after the loop). The last token stays
-    referenced until the next unit call on its mesh or `clear_relay` (which
-    the engine's `value_and_grad`, and so the `Trainer`, call when they
-    return)."""
-
-    def __init__(self) -> None:
-        self._last: dict[Mesh, tuple[Any, jax.Array]] = {}
-
-    def take(self, mesh: Mesh) -> jax.Array:
-        entry = self._last.pop(mesh, None)
-        if entry is not None and entry[0] == _trace():
-            return entry[1]
-        return zpp_relay_start(TOKEN_SIZE * mesh.devices.size)
-
-    def put(self, mesh: Mesh, token: jax.Array) -> None:
-        self._last[mesh] = (_trace(), zpp_relay_end(token))
-
-    def clear(self) -> None:
-        self._last.clear()
-
-
-def _trace():
-    return jax.extend.core.get_opaque_trace_state(convention="nnx")
-
-
-_relay = _Relay()
-
-
-def clear_relay() -> None:
-    """Drop the relay tokens held between unit calls (a differentiation
-    that traced units has returned: its chains are complete)."""
-    _relay.clear()
 
 
 def _batch_size(items) -> int | None:
