@@ -1,4 +1,4 @@
-"""zpp_jax.loops: a layer loop whose body starts a relay chain is unrolled
+"""zpp_jax.overlap.loops: a layer loop whose body starts a relay chain is unrolled
 and carries the token; the values are the loop's."""
 
 import jax
@@ -11,7 +11,8 @@ from test_shard import lm_gradient_step, relay_as_on_a_gpu
 
 import zpp_jax as zpp
 from zpp_jax.models import GPT, GPTConfig
-from zpp_jax.overlap.loops import relay_loops, zpp_relay_end, zpp_relay_start
+from zpp_jax.overlap.loops import relay_loops
+from zpp_jax.overlap.relay import is_relay_end, is_relay_start, relay_end, relay_start
 
 
 def _scans(jaxpr):
@@ -30,11 +31,11 @@ def _layers(h, ws):
     'units' (a token that each step reads and hands on, as units do)."""
 
     def body(h, w):
-        token = zpp_relay_start(4)
+        token = relay_start(4)
         h = jnp.tanh(h @ w) + token[0]
-        token = zpp_relay_end(token + h.sum())
+        token = relay_end(token + h.sum())
         h = h * 2.0 + token[1]
-        zpp_relay_end(token * 0.5)
+        relay_end(token * 0.5)
         return h, h.sum()
 
     return jax.lax.scan(body, h, ws)
@@ -59,11 +60,8 @@ def test_a_relaying_loop_carries_its_token_and_is_unrolled():
     body = after.params["jaxpr"].jaxpr
     # The fresh token is made once, before the loop; the body takes it as a
     # carry and hands on the last unit's.
-    assert not [e for e in body.eqns if e.params.get("name") == "zpp_relay_start"]
-    assert (
-        body.outvars[1]
-        is [e for e in body.eqns if e.params.get("name") == "zpp_relay_end"][-1].invars[0]
-    )
+    assert not [e for e in body.eqns if is_relay_start(e)]
+    assert body.outvars[1] is [e for e in body.eqns if is_relay_end(e)][-1].invars[0]
     jcore.check_jaxpr(rewritten)
     got = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(rewritten, closed.consts))(h, ws)
 
@@ -81,13 +79,13 @@ def _model(h, ws):
     """A unit before the loop and one after it, each starting a chain of its
     own as units called outside a loop body do: an embedding, the layers, a
     head."""
-    token = zpp_relay_start(4)
+    token = relay_start(4)
     h = h + token[0]
-    zpp_relay_end(token + h.sum())
+    relay_end(token + h.sum())
     h, _ = _layers(h, ws)
-    token = zpp_relay_start(4)
+    token = relay_start(4)
     h = h * 3.0 + token[2]
-    zpp_relay_end(token - 1.0)
+    relay_end(token - 1.0)
     return h
 
 
@@ -100,20 +98,20 @@ def test_the_loop_joins_the_chain_of_the_units_around_it():
     rewritten = relay_loops(closed.jaxpr)
     jcore.check_jaxpr(rewritten)
 
-    def markers(jaxpr, name):
+    def markers(jaxpr, is_marker):
         found = []
         for eqn in jaxpr.eqns:
-            if eqn.params.get("name") == name:
+            if is_marker(eqn):
                 found.append(eqn)
             for v in eqn.params.values():
                 if isinstance(v, jcore.ClosedJaxpr) and v.jaxpr is not jaxpr:
-                    found += markers(v.jaxpr, name) if eqn.primitive.name != "scan" else []
+                    found += markers(v.jaxpr, is_marker) if eqn.primitive.name != "scan" else []
         return found
 
-    assert len(markers(closed.jaxpr, "zpp_relay_start")) == 2
-    assert len(markers(rewritten, "zpp_relay_start")) == 1  # only the first unit's
+    assert len(markers(closed.jaxpr, is_relay_start)) == 2
+    assert len(markers(rewritten, is_relay_start)) == 1  # only the first unit's
     (loop,) = _scans(rewritten)
-    first_end = markers(rewritten, "zpp_relay_end")[0]
+    first_end = markers(rewritten, is_relay_end)[0]
     at_in = loop.params["num_consts"] + loop.params["num_carry"] - 1  # the token carry
     assert loop.invars[at_in] is first_end.outvars[0]
     got = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(rewritten, closed.consts))(h, ws)

@@ -276,9 +276,9 @@ def _watch(count: int, on_lost_peer: Callable[[str], None], interval: float = 0.
     process dead `heartbeat_timeout` seconds after its last heartbeat, or at
     once when it disconnects), or once the service itself cannot be reached.
     Stops at `finish`."""
-    from jax._src import distributed as jax_distributed
+    from zpp_jax._compat import coordination_client
 
-    client = jax_distributed.global_state.client
+    client = coordination_client()
     everyone = list(range(count))
     while not _finished.wait(interval):
         try:
@@ -306,9 +306,10 @@ def finish(timeout: int = 300) -> None:
         seconds (it died, or hangs).
     """
     import jax
-    from jax._src import distributed as jax_distributed
 
-    client = jax_distributed.global_state.client
+    from zpp_jax._compat import coordination_client
+
+    client = coordination_client()
     if client is None or not _watching.is_set() or _finished.is_set():
         return
     client.wait_at_barrier("zpp_finish", timeout * 1000)

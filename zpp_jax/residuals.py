@@ -21,11 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 # Dead-code elimination of a jaxpr, and its closed-over constants made inputs:
 # the two transformations the split needs, from JAX's partial evaluator.
-from jax._src.interpreters.partial_eval import convert_constvars_jaxpr, dce_jaxpr
-from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+from zpp_jax._compat import convert_constvars_jaxpr, dce_jaxpr
 
 
 @jax.tree_util.register_pytree_node_class

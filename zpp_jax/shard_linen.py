@@ -31,6 +31,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zpp_jax._compat import is_tracer
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, mesh_shape
@@ -131,7 +132,7 @@ class ShardedLinen:
           UsageError: the module's ``__call__`` called no unit.
         """
         leaves, tree = jax.tree.flatten((variables, args, kwargs))
-        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        if any(is_tracer(x) for x in leaves):
             return self._apply(variables, args, kwargs)
         arrays = [isinstance(x, jax.Array | np.ndarray) for x in leaves]
 

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax import collectives
+from zpp_jax._compat import is_tracer
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.layer import ShardedLayer
@@ -284,9 +285,7 @@ def run_unit(
     prefetch = prefetches(info.mesh)
     # Called outside any trace (an eager call of the model): the call is
     # compiled on its own, and joins no relay chain.
-    eager = not any(
-        isinstance(x, jax.core.Tracer) for x in [v for _, v, _, _ in params] + jax.tree.leaves(args)
-    )
+    eager = not any(is_tracer(x) for x in [v for _, v, _, _ in params] + jax.tree.leaves(args))
     # A unit of vectors only (a final norm) has no matrix multiply of its
     # own weights: its backward pass would be an empty window for the
     # neighbours' communication, so it is left out of the relay chain and

@@ -10,12 +10,12 @@ all-gathers and reduce-scatters by one iteration, but neither all-to-alls
 nor collective-permutes (qgZ, and ZeRO-3 on a narrow wire).
 
 The units of an unrolled model hand a relay token from each call to the
-next (`zpp_jax.unit`, `ShardedLayer.relayed`), which is what lets a
+next (`zpp_jax.overlap.relay`, `ShardedLayer.relayed`), which is what lets a
 compiler overlap one layer's collectives with its neighbours' compute.
 `unroll_relayed_loops` gives a layer loop the same chain without touching
 the model's code: it traces the function, and for every loop whose body
 starts a relay chain it carries the token through the loop (one more carry,
-`zpp_jax.layer.TOKEN_SIZE` float32 values per device) and unrolls the loop
+`zpp_jax.overlap.relay.TOKEN_SIZE` float32 values per device) and unrolls the loop
 fully. The loop also joins the chain of the units called around it (a
 model's embedding before it, its head after it), which the loop body's own
 trace would otherwise cut into three. The arithmetic is the loop's own,
@@ -32,31 +32,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.extend.core as jcore
-import jax.numpy as jnp
 from flax import nnx
 
-
-@functools.partial(jax.jit, static_argnums=0)
-def zpp_relay_start(size: int) -> jax.Array:
-    """A fresh relay token: the first unit called in a trace takes it."""
-    return jnp.zeros((size,), jnp.float32)
-
-
-@jax.jit
-def zpp_relay_end(token: jax.Array) -> jax.Array:
-    """Marks the token the last unit called in a trace handed on (the
-    identity; compiled away)."""
-    return token
-
-
-_START, _END = zpp_relay_start.__name__, zpp_relay_end.__name__
-# Primitives whose jaxprs are searched for loops too: calls of a jaxpr as
-# it is, and the bodies of loops that are not rewritten.
-_SEARCHED = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "scan")
+from zpp_jax import _compat
+from zpp_jax.overlap.relay import is_relay_end, is_relay_start
 
 
 def unroll_relayed_loops(f: Callable) -> Callable:
@@ -105,30 +87,26 @@ def relay_loops(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
     eqns, changed = [], False
     chain_end = None  # the token the last unit called at this level handed on
     # While `chain_end` is a rewritten loop's last token: the loop body's
-    # `zpp_relay_end` call, an identity to hand that token on through.
+    # last relay end, an identity to hand that token on through.
     loop_end = None
     for eqn in jaxpr.eqns:
-        marker = _marker(eqn)
-        if marker == _END:
+        if is_relay_end(eqn):
             chain_end, loop_end = eqn.outvars[0], None
-        elif marker == _START and loop_end is not None and _continues(chain_end, eqn):
+        elif is_relay_start(eqn) and loop_end is not None and _continues(chain_end, eqn):
             # The first unit after a rewritten loop takes the loop's last token.
             eqns.append(loop_end.replace(invars=[chain_end], outvars=eqn.outvars))
             chain_end, loop_end, changed = None, None, True
             continue
-        if eqn.primitive.name == "scan":
+        if _compat.is_scan(eqn):
             new = _relayed_scan(eqn, chain_end)
             if new is not None:
                 rewritten, chain_end, loop_end = new
                 eqns.extend(rewritten)
                 changed = True
                 continue
-        if eqn.primitive.name in _SEARCHED:
-            params = {k: _inner(v) for k, v in eqn.params.items()}
-            if any(params[k] is not v for k, v in eqn.params.items()):
-                eqn = eqn.replace(params=params)
-                changed = True
-        eqns.append(eqn)
+        inner = _compat.map_inner_jaxprs(eqn, relay_loops)
+        changed |= inner is not eqn
+        eqns.append(inner)
     return jaxpr.replace(eqns=eqns) if changed else jaxpr
 
 
@@ -139,62 +117,29 @@ def _continues(token: jcore.Var | None, start: jcore.JaxprEqn) -> bool:
     return token is not None and (token.aval.shape, token.aval.dtype) == (fresh.shape, fresh.dtype)
 
 
-def _inner(value: Any) -> Any:
-    if isinstance(value, jcore.ClosedJaxpr):
-        inner = relay_loops(value.jaxpr)
-        return value if inner is value.jaxpr else jcore.ClosedJaxpr(inner, value.consts)
-    if isinstance(value, jcore.Jaxpr):
-        return relay_loops(value)
-    return value
-
-
-def _marker(eqn: jcore.JaxprEqn) -> str | None:
-    return eqn.params.get("name") if eqn.primitive.name in ("jit", "pjit") else None
-
-
 def _relayed_scan(
     eqn: jcore.JaxprEqn, token: jcore.Var | None
 ) -> tuple[list[jcore.JaxprEqn], jcore.Var, jcore.JaxprEqn] | None:
     """([the loop carrying a token and unrolled, after a fresh token when
     `token` (what the unit before it handed on) cannot start it], the
-    loop's last token, the body's last `zpp_relay_end` call), or None when
-    the loop's body starts no relay chain of its own."""
-    body: jcore.ClosedJaxpr = eqn.params["jaxpr"]
-    inner = body.jaxpr
-    starts = [i for i, e in enumerate(inner.eqns) if _marker(e) == _START]
-    ends = [e for e in inner.eqns if _marker(e) == _END]
+    loop's last token, the body's last relay end), or None when the loop's
+    body starts no relay chain of its own."""
+    inner = _compat.scan_body(eqn).jaxpr
+    starts = [i for i, e in enumerate(inner.eqns) if is_relay_start(e)]
+    ends = [e for e in inner.eqns if is_relay_end(e)]
     if len(starts) != 1 or not ends:
         return None
     start = inner.eqns[starts[0]]
     token_in, token_out = start.outvars[0], ends[-1].invars[0]
-    at_in = eqn.params["num_consts"] + eqn.params["num_carry"]
-    at_out = eqn.params["num_carry"]
-    info = inner.debug_info
-    if info is not None:
-        names, paths = info.arg_names, info.result_paths
-        info = info._replace(
-            arg_names=None if names is None else (*names[:at_in], "relay", *names[at_in:]),
-            result_paths=(
-                (*paths[:at_out], "relay", *paths[at_out:]) if isinstance(paths, tuple) else paths
-            ),
-        )
+    at_in, at_out = _compat.scan_carry(eqn)
     new_body = inner.replace(
         eqns=[e for i, e in enumerate(inner.eqns) if i != starts[0]],
         invars=[*inner.invars[:at_in], token_in, *inner.invars[at_in:]],
         outvars=[*inner.outvars[:at_out], token_out, *inner.outvars[at_out:]],
-        debug_info=info,
+        debug_info=_compat.with_carry_names(inner, at_in, at_out, "relay"),
     )
-    fresh = [] if _continues(token, start) else [start.replace(outvars=[jcore.Var(token_in.aval)])]
+    fresh = [] if _continues(token, start) else [start.replace(outvars=[_compat.new_var(token_in)])]
     first = fresh[0].outvars[0] if fresh else token
-    last = jcore.Var(token_out.aval)
-    loop = eqn.replace(
-        invars=[*eqn.invars[:at_in], first, *eqn.invars[at_in:]],
-        outvars=[*eqn.outvars[:at_out], last, *eqn.outvars[at_out:]],
-        params={
-            **eqn.params,
-            "jaxpr": jcore.ClosedJaxpr(new_body, body.consts),
-            "num_carry": eqn.params["num_carry"] + 1,
-            "unroll": max(int(eqn.params["length"]), 1),
-        },
-    )
+    last = _compat.new_var(token_out)
+    loop = _compat.unrolled_scan_with_carry(eqn, new_body, first, last)
     return [*fresh, loop], last, ends[-1]

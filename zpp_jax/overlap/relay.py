@@ -24,13 +24,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
-from zpp_jax.overlap.loops import zpp_relay_end, zpp_relay_start
+from zpp_jax import _compat
 
 TOKEN_SIZE = 3
 ZERO = np.zeros((1,), np.float32)
@@ -173,6 +172,36 @@ class LayerOrder:
         return g_x, jnp.concatenate([done_marker(started_after), wait, hand_on])
 
 
+# -- the markers of a chain, which `zpp_jax.overlap.loops` finds in a jaxpr -----------
+
+_RELAY_START = _compat.source_primitive(
+    "zpp_relay_start", lambda *, size: jnp.zeros((size,), jnp.float32)
+)
+_RELAY_END = _compat.identity_primitive("zpp_relay_end")
+
+
+def relay_start(size: int) -> jax.Array:
+    """A fresh relay token of `size` float32 zeros: the first unit called in
+    a trace takes it."""
+    return _RELAY_START.bind(size=size)
+
+
+def relay_end(token: jax.Array) -> jax.Array:
+    """`token`, marked as the one the last unit called in a trace handed on
+    (compiled away)."""
+    return _RELAY_END.bind(token)
+
+
+def is_relay_start(eqn) -> bool:
+    """Whether a jaxpr equation is a `relay_start`."""
+    return eqn.primitive is _RELAY_START
+
+
+def is_relay_end(eqn) -> bool:
+    """Whether a jaxpr equation is a `relay_end`."""
+    return eqn.primitive is _RELAY_END
+
+
 # -- the chain of the current trace ----------------------------------------------------
 
 
@@ -193,15 +222,15 @@ class RelayChains:
         entry = self._last.pop(mesh, None)
         if entry is not None and entry[0] == _trace():
             return entry[1]
-        return zpp_relay_start(TOKEN_SIZE * mesh.devices.size)
+        return relay_start(TOKEN_SIZE * mesh.devices.size)
 
     def put(self, mesh: Mesh, token: jax.Array) -> None:
         """Hand `token` (what a unit returned) to the next unit."""
-        self._last[mesh] = (_trace(), zpp_relay_end(token))
+        self._last[mesh] = (_trace(), relay_end(token))
 
 
 def _trace():
-    return jax.extend.core.get_opaque_trace_state(convention="nnx")
+    return _compat.opaque_trace_state()
 
 
 _CHAINS: contextvars.ContextVar[RelayChains | None] = contextvars.ContextVar(
