@@ -22,7 +22,7 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 import numpy as np  # noqa: E402
 
 from zpp_jax import ZeroPPConfig  # noqa: E402
-from zpp_jax.cli.train import RunConfig, run  # noqa: E402
+from zpp_jax.recipes import RunConfig, run  # noqa: E402
 
 CONFIGS = {
     "zero3": ZeroPPConfig.zero3(),

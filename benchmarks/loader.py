@@ -28,10 +28,13 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
 import numpy as np  # noqa: E402
 
-from zpp_jax.cli import corpus  # noqa: E402
-from zpp_jax.cli.train import RunConfig, run  # noqa: E402
 from zpp_jax.data import stdlib_corpus  # noqa: E402
 from zpp_jax.models import GPTConfig  # noqa: E402
+from zpp_jax.recipes import (  # noqa: E402
+    RunConfig,
+    corpus,  # noqa: E402
+    run,
+)
 
 seq = GPTConfig.preset("small").seq_len
 

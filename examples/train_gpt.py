@@ -10,7 +10,7 @@ import os
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
 from zpp_jax import ZeroPPConfig  # noqa: E402
-from zpp_jax.cli.train import RunConfig, run  # noqa: E402
+from zpp_jax.recipes import RunConfig, run  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=100)

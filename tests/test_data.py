@@ -9,9 +9,8 @@ import pytest
 
 import zpp_jax as zpp
 from zpp_jax import TokenDataset, load_text, stdlib_corpus
-from zpp_jax.cli import corpus
-from zpp_jax.cli.train import RunConfig, run
 from zpp_jax.data import BatchLoader, TokenFiles, local_rows, make_tokenizer, train_bpe
+from zpp_jax.recipes import RunConfig, corpus, run
 
 
 def test_stdlib_corpus_is_real_python():

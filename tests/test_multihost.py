@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from zpp_jax.checkpoint import Checkpointer
-from zpp_jax.cli.train import RunConfig, make_trainer
 from zpp_jax.distributed import DistributedConfig
 from zpp_jax.launch import free_port, process_env
+from zpp_jax.recipes import RunConfig, make_trainer
 from zpp_jax.train import Trainer
 
 # No clipping (a bound far above the gradient norm): then only the reported

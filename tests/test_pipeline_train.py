@@ -16,9 +16,11 @@ from stopped_run import copy_stopped_after
 
 from zpp_jax import Checkpointer, UsageError, ZeroPPConfig, make_pipeline_mesh
 from zpp_jax.analysis import collectives_in_hlo
-from zpp_jax.cli.train import RunConfig, make_pipeline_trainer, parse_slices, run
 from zpp_jax.models.gpt import GPT, GPTConfig
 from zpp_jax.pipeline import PipelineTrainer, TokenPipeline
+from zpp_jax.recipes import RunConfig, run
+from zpp_jax.recipes.config import parse_slices
+from zpp_jax.recipes.train import make_pipeline_trainer
 
 EXACT = ZeroPPConfig.zero3(comm_dtype=None)
 # Tiny GPT (2 layers: one per stage) at 16 tokens, fp32, 8 sequences.
@@ -131,8 +133,8 @@ def test_slices_auto_plans_for_the_model(tmp_path):
     """`--slices auto` plans the run's model with the lockstep objective,
     from the analytic cost model (the Llama's matmul weights counted) or a
     cost file, and says which; a count cuts equal slices."""
-    from zpp_jax.cli.train import choose_slices, model_config
     from zpp_jax.pipeline import FittedCost, save_cost
+    from zpp_jax.recipes.train import choose_slices, model_config
 
     for arch in ("gpt", "llama"):
         cfg = dataclasses.replace(BASE, arch=arch, stages=2, seq_len=64, batch=4, nodes=1)

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from zpp_jax.cli.train import RunConfig, run
 from zpp_jax.preemption import Stopped, StopRequest
+from zpp_jax.recipes import RunConfig, run
 
 ARGS = ["train", "--quiet", "--seq", "16", "--batch", "8", "--eval-every", "0", "--warmup", "1"]
 STEPS = 12

@@ -20,10 +20,10 @@ import pytest
 
 from zpp_jax import UsageError
 from zpp_jax.cli import main
-from zpp_jax.cli.runs import MetricsSink, OutputLock, cut_metrics
-from zpp_jax.cli.train import RunConfig, run
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import OutputError
+from zpp_jax.recipes import RunConfig, run
+from zpp_jax.recipes.runs import MetricsSink, OutputLock, cut_metrics
 
 # The smallest run: tiny GPT at 16 tokens, 8 sequences, no evaluation.
 BASE = RunConfig(seq_len=16, batch=8, eval_every=0, eval_batches=1, warmup=1, progress=False)
@@ -117,7 +117,7 @@ import dataclasses, json, pathlib, sys, time
 from orbax.checkpoint._src.path import atomicity
 sys.path.insert(0, {tests!r})
 from test_runs import BASE
-from zpp_jax.cli.train import run
+from zpp_jax.recipes.train import run
 
 stop, marker, kw = sys.argv[1], pathlib.Path(sys.argv[2]), json.loads(sys.argv[3])
 commit = atomicity.AtomicRenameTemporaryPath.finalize
@@ -236,8 +236,8 @@ def test_outputs_in_use_are_refused_naming_the_holder(tmp_path):
     # Held by a process that is then SIGKILLed: free again.
     script = (
         "import sys, time\n"
-        "from zpp_jax.cli.runs import OutputLock\n"
-        "from zpp_jax.cli.train import RunConfig\n"
+        "from zpp_jax.recipes.runs import OutputLock\n"
+        "from zpp_jax.recipes.train import RunConfig\n"
         f"lock = OutputLock(RunConfig(ckpt_dir={str(ckpt)!r}))\n"
         "print('held', flush=True)\n"
         "time.sleep(600)\n"

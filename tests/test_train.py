@@ -10,8 +10,8 @@ from flax import nnx
 from stopped_run import copy_stopped_after
 
 from zpp_jax import Trainer, UsageError, ZeroPPConfig, cross_entropy, make_mesh, unshard
-from zpp_jax.cli.train import RunConfig, run
 from zpp_jax.models import GPT, GPTConfig
+from zpp_jax.recipes import RunConfig, run
 
 CFG = GPTConfig.preset("tiny", dtype="float32", seq_len=16, n_layers=2)
 EXACT = ZeroPPConfig.zero3(comm_dtype=None)  # fp32 wire: an unsharded model's numbers
@@ -196,7 +196,7 @@ def test_resume_is_bitwise(tmp_path):
     import json
 
     from zpp_jax import Checkpointer
-    from zpp_jax.cli.train import make_model, make_trainer
+    from zpp_jax.recipes.train import make_model, make_trainer
 
     def train(name, steps, resume=False):
         ckpt, metrics = str(tmp_path / name), str(tmp_path / f"{name}.jsonl")
@@ -247,7 +247,7 @@ def test_a_step_whose_update_is_not_finite_is_skipped(mesh24):
 def test_metrics_lines_are_strict_json():
     import json
 
-    from zpp_jax.cli.train import json_record
+    from zpp_jax.recipes.train import json_record
 
     line = json_record({"step": 3, "loss": float("nan"), "grad_norm": float("inf"), "skipped": 1})
     assert json.loads(line) == {

@@ -1,4 +1,6 @@
-"""The configuration of the ZeRO++ techniques: one frozen, validated dataclass."""
+"""The configuration of the ZeRO++ techniques: one frozen, validated
+dataclass, whose fields also define the command line's technique flags
+(`zpp_jax.fields`)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,8 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import UsageError, count
+from zpp_jax.fields import option
 
 _SUPPORTED_WEIGHT_BITS = (4, 8)
 _SUPPORTED_GRADIENT_BITS = (4, 8)
@@ -14,6 +17,11 @@ _SUPPORTED_RESIDUAL_DTYPES = ("float32", "bfloat16")
 _SUPPORTED_ROUNDINGS = ("stochastic", "nearest")
 _SUPPORTED_SCALE_DTYPES = ("bfloat16", "float32")
 _SUPPORTED_REMATS = ("dots", "none", "full")
+_WIRE_DTYPES = ("bfloat16", "float32", "float16")
+# One scale per block: above 2^24 elements a block is one tensor's worth.
+_MAX_BLOCK = 1 << 24
+BLOCK = count(1, _MAX_BLOCK, "elements per block")
+TECHNIQUES = "ZeRO++ techniques (all on by default)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,19 +105,51 @@ class ZeroPPConfig:
         their size on every device. 0 (default): every parameter sharded.
     """
 
-    quantize_weights: bool = True
-    weight_bits: int = 8
-    hpz: bool = True
-    quantize_gradients: bool = True
-    gradient_bits: int = 4
-    error_feedback: bool = False
+    quantize_weights: bool = option(
+        True, "gather weights unquantized", name="--no-qwz", negate=True, group=TECHNIQUES
+    )
+    weight_bits: int = option(
+        8, "bits per weight code", type=int, choices=_SUPPORTED_WEIGHT_BITS, group=TECHNIQUES
+    )
+    hpz: bool = option(
+        True, "no secondary partition", name="--no-hpz", negate=True, group=TECHNIQUES
+    )
+    quantize_gradients: bool = option(
+        True, "plain reduce-scatter of gradients", name="--no-qgz", negate=True, group=TECHNIQUES
+    )
+    gradient_bits: int = option(
+        4, "bits per gradient code", type=int, choices=_SUPPORTED_GRADIENT_BITS, group=TECHNIQUES
+    )
+    error_feedback: bool = option(False, "carry gradient rounding errors", group=TECHNIQUES)
     residual_dtype: str = "float32"
-    block_size: int = 256
-    gradient_block_size: int | None = 32
-    gradient_rounding: str = "stochastic"
-    gradient_scale_dtype: str = "bfloat16"
-    comm_dtype: str | None = None
-    remat: str | Callable[..., bool] = "dots"
+    block_size: int = option(256, "elements per weight block", type=BLOCK, group=TECHNIQUES)
+    gradient_block_size: int | None = option(
+        32, "elements per gradient block", type=BLOCK, group=TECHNIQUES
+    )
+    gradient_rounding: str = option(
+        "stochastic",
+        "rounding of gradient codes (stochastic: unbiased)",
+        choices=_SUPPORTED_ROUNDINGS,
+        group=TECHNIQUES,
+    )
+    gradient_scale_dtype: str = option(
+        "bfloat16",
+        "dtype gradient scales travel in",
+        choices=_SUPPORTED_SCALE_DTYPES,
+        group=TECHNIQUES,
+    )
+    comm_dtype: str | None = option(
+        None,
+        "wire dtype of the unquantized collectives",
+        choices=_WIRE_DTYPES,
+        group=TECHNIQUES,
+    )
+    remat: str | Callable[..., bool] = option(
+        "dots",
+        "what a unit keeps for its backward pass: its matmul outputs (dots), every activation "
+        "(none) or only its input (full: one more forward pass); never its gathered weights",
+        choices=_SUPPORTED_REMATS,
+    )
     unroll_layer_loops: bool = True
     persistence_threshold: int = 0
 
@@ -175,7 +215,7 @@ class ZeroPPConfig:
                 f"remat={self.remat!r} is not supported; use one of {_SUPPORTED_REMATS} or a "
                 "jax.checkpoint policy (e.g. jax.checkpoint_policies.save_only_these_names)"
             )
-        if self.comm_dtype not in (None, "float32", "bfloat16", "float16"):
+        if self.comm_dtype not in (None, *_WIRE_DTYPES):
             raise UsageError(
                 f"comm_dtype={self.comm_dtype!r} is not supported; use None, 'float32', "
                 "'bfloat16' or 'float16'"
@@ -230,10 +270,6 @@ class ZeroPPConfig:
     def replace(self, **changes) -> ZeroPPConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
-
-
-# One scale per block: above 2^24 elements a block is one tensor's worth.
-_MAX_BLOCK = 1 << 24
 
 
 def _check_block(name: str, value, int4: bool) -> None:

@@ -148,7 +148,7 @@ def _train(args, slices) -> float:
 
 
 def _runs(s):
-    from zpp_jax.cli.plan import folded
+    from zpp_jax.pipeline.planner import folded
 
     return folded(s)
 

@@ -8,113 +8,50 @@ import argparse
 import dataclasses
 import functools
 import os
-import pathlib
 import signal
 import sys
 import threading
 import time
 
 from zpp_jax import config as _config
-from zpp_jax.cli.args import RUN, Parser
+from zpp_jax.cli.args import Parser
 from zpp_jax.errors import Number, UsageError, count, positive
+from zpp_jax.fields import add_flags, flag_name, given_flags
 from zpp_jax.launch import RANGES as LAUNCH
+from zpp_jax.recipes.config import RunConfig, default_plot
 
-# ZeroPPConfig's bound on a block.
-BLOCK = count(1, _config._MAX_BLOCK, "elements per block")
+# A run's defaults: the technique flags' too.
+_RUN = RunConfig()
 
 
 def _add_technique_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("ZeRO++ techniques (all on by default)")
-    g.add_argument(
+    """The ZeRO++ technique flags (`ZeroPPConfig`'s fields) and `--zero3`;
+    their defaults are a run's (`RunConfig().zero`: a bf16 wire)."""
+    groups = add_flags(p, _RUN.zero)
+    groups[_config.TECHNIQUES].add_argument(
         "--zero3",
         action="store_true",
         help="the ZeRO-3 baseline: every technique off, bf16 wire (ZeroPPConfig.zero3())",
     )
-    # Defaults are None so that a flag given with --zero3 can be told from
-    # one left alone; ZeroPPConfig holds the real defaults.
-    g.add_argument("--no-qwz", action="store_true", default=None, help="gather weights unquantized")
-    g.add_argument("--no-hpz", action="store_true", default=None, help="no secondary partition")
-    g.add_argument(
-        "--no-qgz", action="store_true", default=None, help="plain reduce-scatter of gradients"
-    )
-    g.add_argument(
-        "--weight-bits", type=int, choices=_config._SUPPORTED_WEIGHT_BITS, help="default 8"
-    )
-    g.add_argument(
-        "--gradient-bits", type=int, choices=_config._SUPPORTED_GRADIENT_BITS, help="default 4"
-    )
-    g.add_argument(
-        "--error-feedback",
-        action="store_true",
-        default=None,
-        help="carry gradient rounding errors",
-    )
-    g.add_argument("--block-size", type=BLOCK, help="elements per weight block (default 256)")
-    g.add_argument(
-        "--gradient-block-size", type=BLOCK, help="elements per gradient block (default 32)"
-    )
-    g.add_argument(
-        "--gradient-scale-dtype",
-        choices=_config._SUPPORTED_SCALE_DTYPES,
-        help="dtype gradient scales travel in (default bfloat16)",
-    )
-    g.add_argument(
-        "--gradient-rounding",
-        choices=_config._SUPPORTED_ROUNDINGS,
-        help="rounding of gradient codes (default stochastic: unbiased)",
-    )
-    g.add_argument(
-        "--comm-dtype",
-        default="bfloat16",
-        choices=("bfloat16", "float32", "float16"),
-        help="wire dtype of the unquantized collectives (default bfloat16)",
-    )
-    p.add_argument(
-        "--remat",
-        choices=_config._SUPPORTED_REMATS,
-        default=_config.ZeroPPConfig.remat,
-        help="what a unit keeps for its backward pass (ZeroPPConfig.remat): its matmul outputs "
-        "(dots, default), every activation (none) or only its input (full: one more forward "
-        "pass); never its gathered weights",
-    )
-
-
-# flag -> (ZeroPPConfig field, value the flag sets)
-_TECHNIQUE_FLAGS = {
-    "no_qwz": ("quantize_weights", False),
-    "no_hpz": ("hpz", False),
-    "no_qgz": ("quantize_gradients", False),
-    "weight_bits": ("weight_bits", None),
-    "gradient_bits": ("gradient_bits", None),
-    "error_feedback": ("error_feedback", True),
-    "block_size": ("block_size", None),
-    "gradient_block_size": ("gradient_block_size", None),
-    "gradient_rounding": ("gradient_rounding", None),
-    "gradient_scale_dtype": ("gradient_scale_dtype", None),
-}
 
 
 def _config_from_args(args):
     """The ZeroPPConfig the technique flags describe."""
-    from zpp_jax.config import ZeroPPConfig
-
-    given = {dest: getattr(args, dest) for dest in _TECHNIQUE_FLAGS}
-    given = {dest: value for dest, value in given.items() if value is not None}
+    given = given_flags(_config.ZeroPPConfig, args)
+    common = {name: given.pop(name) for name in ("comm_dtype", "remat") if name in given}
     if args.zero3:
         if given:
-            flags = ", ".join("--" + dest.replace("_", "-") for dest in given)
+            fields = {f.name: f for f in dataclasses.fields(_config.ZeroPPConfig)}
+            flags = ", ".join(flag_name(fields[name]) for name in given)
             it = "them" if len(given) > 1 else "it"
             raise UsageError(
                 f"--zero3 turns every ZeRO++ technique off, so {flags} would have no effect; "
                 f"drop {it}, or drop --zero3 and switch techniques off one by one "
                 "(--no-qwz, --no-hpz, --no-qgz)"
             )
-        return ZeroPPConfig.zero3(comm_dtype=args.comm_dtype, remat=args.remat)
-    fields = {}
-    for dest, value in given.items():
-        field, sets = _TECHNIQUE_FLAGS[dest]
-        fields[field] = value if sets is None else sets
-    return ZeroPPConfig(comm_dtype=args.comm_dtype, remat=args.remat, **fields)
+        base = {"comm_dtype": _RUN.zero.comm_dtype, "remat": _RUN.zero.remat}
+        return _config.ZeroPPConfig.zero3(**{**base, **common})
+    return _RUN.zero.replace(**given, **common)
 
 
 def _use_emulated_devices(devices: int, what: str = "--nodes x --local") -> None:
@@ -154,106 +91,58 @@ def _demo(args) -> int:
     )
 
 
-def _join_job(args) -> None:
+def _join_job(command: str, cfg: RunConfig, given: dict) -> tuple[int, int]:
     """Join a multi-process job if the environment describes one (`zpp launch`
     or a cluster launcher); then node = process and local = its devices.
-    Otherwise emulate nodes x local CPU devices in this process."""
+    Otherwise emulate nodes x local CPU devices in this process. Returns
+    the run's (nodes, local)."""
     from zpp_jax.distributed import DistributedConfig, initialize
 
-    stages = getattr(args, "stages", 1)
     dist = DistributedConfig.from_env()
     if not dist.is_multi_process:
-        args.nodes = 2 if args.nodes is None else args.nodes
-        args.local = 4 if args.local is None else args.local
-        what = "--stages x --nodes x --local" if stages > 1 else "--nodes x --local"
-        _use_emulated_devices(max(stages, 1) * args.nodes * args.local, what)
-        return
-    initialize(dist, on_lost_peer=functools.partial(_lost_peer, args.command))
+        what = "--stages x --nodes x --local" if cfg.stages > 1 else "--nodes x --local"
+        _use_emulated_devices(cfg.stages * cfg.nodes * cfg.local, what)
+        return cfg.nodes, cfg.local
+    initialize(dist, on_lost_peer=functools.partial(_lost_peer, command))
     import jax
 
     nodes, local = jax.process_count(), jax.local_device_count()
-    if stages > 1:
+    if cfg.stages > 1:
         # The stages take the processes in turn: nodes per stage.
-        if nodes % stages:
+        if nodes % cfg.stages:
             raise UsageError(
-                f"--stages {stages} does not divide the job's {nodes} processes; each stage "
-                "needs whole processes (nodes)"
+                f"--stages {cfg.stages} does not divide the job's {nodes} processes; each "
+                "stage needs whole processes (nodes)"
             )
-        nodes //= stages
-    for name, want, have in (("nodes", args.nodes, nodes), ("local", args.local, local)):
-        if want is not None and want != have:
+        nodes //= cfg.stages
+    for name, have in (("nodes", nodes), ("local", local)):
+        if name in given and given[name] != have:
             raise UsageError(
-                f"--{name} {want} does not match the job: {nodes} processes x {local} "
+                f"--{name} {given[name]} does not match the job: {nodes} processes x {local} "
                 f"devices each (node = process); drop --{name}"
             )
-    args.nodes, args.local = nodes, local
+    return nodes, local
 
 
 def _train(args) -> int:
-    from zpp_jax.cli.train import run
+    from zpp_jax.recipes.train import run
 
     # Every check that needs no device first, in every process alike: a job's
     # processes then refuse bad input together, before any of them joins.
-    cfg = _run_config(args)
-    _join_job(args)
-    run(dataclasses.replace(cfg, nodes=args.nodes, local=args.local))
+    cfg, given = _run_config(args)
+    nodes, local = _join_job(args.command, cfg, given)
+    run(dataclasses.replace(cfg, nodes=nodes, local=local))
     return 0
 
 
-def _run_config(args):
+def _run_config(args) -> tuple[RunConfig, dict]:
     """The RunConfig the `zpp train` flags describe (the mesh sizes the
-    job's, once it is joined)."""
-    from zpp_jax.cli.train import RunConfig
-
-    plot = args.plot
-    if plot is None and args.metrics:
-        plot = _default_plot(args.metrics)
-    return RunConfig(
-        zero=_config_from_args(args),
-        arch=args.arch,
-        model=args.model,
-        seq_len=args.seq,
-        nodes=2 if args.nodes is None else args.nodes,
-        local=4 if args.local is None else args.local,
-        batch=args.batch,
-        grad_accum=args.grad_accum,
-        steps=args.steps,
-        lr=args.lr,
-        warmup=args.warmup,
-        clip=args.clip,
-        compute_dtype=args.compute_dtype,
-        seed=args.seed,
-        data=args.data,
-        val_data=args.val_data,
-        tokenizer=args.tokenizer,
-        accept_binary=args.accept_binary,
-        eval_every=args.eval_every,
-        eval_batches=args.eval_batches,
-        metrics=args.metrics,
-        plot=plot,
-        ckpt_dir=args.ckpt_dir,
-        ckpt_every=args.ckpt_every,
-        resume=args.resume,
-        overwrite=args.overwrite,
-        progress=not args.quiet,
-        stages=args.stages,
-        slices=args.slices,
-        stage_zero=not args.no_stage_zero,
-        cost=args.cost,
-    )
-
-
-def _default_plot(metrics: str) -> str | None:
-    """The loss plot beside a metrics file, named after it (``run/m.jsonl``:
-    ``run/m.png``); none for a stream (standard output, a pipe)."""
-    from zpp_jax.errors import is_stream
-
-    path = pathlib.Path(metrics)
-    if is_stream(metrics) or not path.name:  # no name: `check_paths` says what is wrong
-        return None
-    return str(
-        path.with_name(path.name + ".png") if path.suffix == ".png" else path.with_suffix(".png")
-    )
+    job's, once it is joined), and the flags given."""
+    given = given_flags(RunConfig, args)
+    fields = dict(given)
+    if "plot" not in given and given.get("metrics"):
+        fields["plot"] = default_plot(given["metrics"])
+    return RunConfig(zero=_config_from_args(args), **fields), given
 
 
 def _comm(args) -> int:
@@ -423,100 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a GPT or Llama-style model with ZeRO++ on byte-level text (the Python "
         "standard library's sources by default)",
     )
-    train.add_argument(
-        "--arch", default="gpt", choices=("gpt", "llama"), help="the model family (default gpt)"
-    )
-    train.add_argument(
-        "--model", default="tiny", help="size preset: tiny, small (both), 125m (gpt)"
-    )
-    train.add_argument(
-        "--seq", type=RUN["seq_len"], default=None, help="sequence length (preset's)"
-    )
-    train.add_argument(
-        "--nodes", type=RUN["nodes"], default=None, help="default 2, or the job's process count"
-    )
-    train.add_argument(
-        "--local", type=RUN["local"], default=None, help="default 4, or each process's device count"
-    )
-    train.add_argument("--batch", type=RUN["batch"], default=16, help="global batch (sequences)")
-    train.add_argument(
-        "--grad-accum", type=RUN["grad_accum"], default=1, help="micro-batches per step"
-    )
-    train.add_argument("--steps", type=RUN["steps"], default=200)
-    train.add_argument("--lr", type=RUN["lr"], default=3e-3)
-    train.add_argument("--warmup", type=RUN["warmup"], default=20)
-    train.add_argument("--clip", type=RUN["clip"], default=1.0, help="global gradient-norm clip")
-    train.add_argument(
-        "--compute-dtype", default="bfloat16", choices=("bfloat16", "float32", "float16")
-    )
-    train.add_argument("--seed", type=RUN["seed"], default=0)
-    train.add_argument(
-        "--data",
-        default=None,
-        help="train on this instead of the Python standard library's source: a text file, "
-        "a directory or glob of text files, or token files (.bin uint16, .npy uint16/uint32)",
-    )
-    train.add_argument(
-        "--val-data", default=None, help="validation data (default: the last 5%% of --data)"
-    )
-    train.add_argument(
-        "--tokenizer",
-        default="byte",
-        help="byte (default), bpe:N (a byte-level BPE of N ids trained on the training text), "
-        "or a tokenizer.json; saved with the checkpoints and reused on --resume",
-    )
-    train.add_argument(
-        "--accept-binary",
-        action="store_true",
-        help="train on --data that is not UTF-8 text (a binary file, random bytes) without the "
-        "warning (--tokenizer byte) or the error (BPE, a tokenizer.json)",
-    )
-    train.add_argument("--eval-every", type=RUN["eval_every"], default=50)
-    train.add_argument("--eval-batches", type=RUN["eval_batches"], default=4)
-    train.add_argument("--metrics", default=None, help="write JSON lines here")
-    train.add_argument("--plot", default=None, help="loss plot PNG (default: beside --metrics)")
-    train.add_argument("--ckpt-dir", default=None)
-    train.add_argument(
-        "--ckpt-every", type=RUN["ckpt_every"], default=0, help="steps between checkpoints"
-    )
-    train.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the run in --ckpt-dir from its newest intact checkpoint (the same "
-        "settings are required; a missing or empty directory starts a new run)",
-    )
-    train.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="delete the checkpoints in --ckpt-dir and the --metrics file of an earlier run "
-        "and start a new one (without it, a run never reuses them)",
-    )
-    train.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
-    pipe = train.add_argument_group("token pipeline (TeraPipe)")
-    pipe.add_argument(
-        "--stages",
-        type=RUN["stages"],
-        default=1,
-        help="pipeline stages, each of --nodes x --local devices (default 1: no pipeline); "
-        "under zpp launch, stages x nodes = processes",
-    )
-    pipe.add_argument(
-        "--slices",
-        default="auto",
-        help="token slices of a sequence: auto (planned, see --cost), a count of equal "
-        "slices, or the lengths l1,l2,... (default auto)",
-    )
-    pipe.add_argument(
-        "--cost",
-        default=None,
-        help="cost model JSON (zpp profile) for --slices auto (default: the analytic model)",
-    )
-    pipe.add_argument(
-        "--no-stage-zero",
-        action="store_true",
-        help="replicate each stage's layers over its devices instead of sharding them "
-        "with the ZeRO flags",
-    )
+    add_flags(train, _RUN)
     _add_technique_flags(train)
     train.set_defaults(func=_train)
 

@@ -99,7 +99,7 @@ def run_plan(args) -> int:
     import json
 
     from zpp_jax.pipeline import best_uniform, latency, plan_batch, plan_tokens
-    from zpp_jax.pipeline.planner import auto_granularity
+    from zpp_jax.pipeline.planner import auto_granularity, folded
 
     cost, source = plan_cost(args)
     granularity, how = args.granularity, ""
@@ -230,15 +230,3 @@ def run_profile(args) -> int:
     save_cost(cost, args.out)
     print(f"fitted cost model (one stage of {args.layers} layers) written to {args.out}")
     return 0
-
-
-def folded(slices) -> str:
-    """Slice lengths with repeats folded: 16x8, 4x16."""
-    out, i = [], 0
-    while i < len(slices):
-        j = i
-        while j < len(slices) and slices[j] == slices[i]:
-            j += 1
-        out.append(f"{j - i}x{slices[i]}" if j - i > 1 else str(slices[i]))
-        i = j
-    return ", ".join(out)

@@ -357,3 +357,15 @@ def _check(stages: int, objective: str) -> None:
         raise UsageError(f"stages must be a positive int, got {stages!r}")
     if objective not in OBJECTIVES:
         raise UsageError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+
+
+def folded(slices) -> str:
+    """Slice lengths with repeats folded: 16x8, 4x16."""
+    out, i = [], 0
+    while i < len(slices):
+        j = i
+        while j < len(slices) and slices[j] == slices[i]:
+            j += 1
+        out.append(f"{j - i}x{slices[i]}" if j - i > 1 else str(slices[i]))
+        i = j
+    return ", ".join(out)

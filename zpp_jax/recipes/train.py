@@ -1,8 +1,8 @@
-"""`zpp train`: train a reference language model with ZeRO++ on your text.
+"""Train a reference language model with ZeRO++ on your text: what `zpp train` runs.
 
 Three parts, each its own function:
 
-* `build(cfg)`: the data (`zpp_jax.cli.corpus`: text or token files, the
+* `build(cfg)`: the data (`zpp_jax.recipes.corpus`: text or token files, the
   tokenizer), the model (`--arch gpt` or `llama`), the
   optimizer, the `Trainer`, the checkpointer, and the state (fresh, or
   restored with ``resume``);
@@ -34,97 +34,16 @@ from flax import nnx
 
 from zpp_jax.analysis import summarize
 from zpp_jax.checkpoint import Checkpointer
-from zpp_jax.cli import corpus, runs
-from zpp_jax.cli.args import RUN
-from zpp_jax.cli.plan import folded
-from zpp_jax.config import ZeroPPConfig
 from zpp_jax.data import BatchLoader, TokenDataset, local_rows
 from zpp_jax.data.tokenizer import bpe_size
 from zpp_jax.errors import INT32_MAX, UsageError
 from zpp_jax.mesh import make_mesh
 from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
+from zpp_jax.pipeline.planner import folded
 from zpp_jax.preemption import Stopped, StopRequest
+from zpp_jax.recipes import corpus, runs
+from zpp_jax.recipes.config import RunConfig, parse_slices
 from zpp_jax.train import Trainer
-
-ARCHS = ("gpt", "llama")
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """One training run. The model is `arch` at size `model` (a preset)."""
-
-    zero: ZeroPPConfig = ZeroPPConfig(comm_dtype="bfloat16")
-    arch: str = "gpt"
-    model: str = "tiny"
-    seq_len: int | None = None
-    nodes: int = 2
-    local: int = 4
-    batch: int = 16
-    grad_accum: int = 1
-    steps: int = 200
-    lr: float = 3e-3
-    warmup: int = 20
-    clip: float = 1.0
-    weight_decay: float = 0.1
-    compute_dtype: str = "bfloat16"
-    seed: int = 0
-    data: str | None = None  # text or token files: a file, a directory or a glob
-    val_data: str | None = None  # default: the last 5% of `data`
-    tokenizer: str = "byte"  # "byte", "bpe:N" or a tokenizer.json path
-    accept_binary: bool = False  # data that is not UTF-8 text: no warning (byte) or error (BPE)
-    vocab_size: int | None = None  # the model's; `build` sets the tokenizer's
-    eval_every: int = 50
-    eval_batches: int = 4
-    metrics: str | None = None
-    plot: str | None = None
-    ckpt_dir: str | None = None
-    ckpt_every: int = 0
-    resume: bool = False
-    overwrite: bool = False
-    progress: bool = True
-    # Token pipeline (TeraPipe): stages > 1 trains through `PipelineTrainer`.
-    stages: int = 1
-    slices: str = "auto"  # "auto", a slice count "N", or lengths "l1,l2,..."
-    stage_zero: bool = True  # ZeRO inside the stages, else replicated there
-    cost: str | None = None  # cost model JSON for slices="auto" (default: analytic)
-
-    def __post_init__(self) -> None:
-        self._check_ranges()
-        if (self.ckpt_every or self.resume) and not self.ckpt_dir:
-            raise UsageError("checkpointing and --resume need --ckpt-dir")
-        if self.arch not in ARCHS:
-            raise UsageError(f"unknown architecture {self.arch!r}; choose one of {ARCHS}")
-        if not 0 <= self.weight_decay < math.inf:
-            raise UsageError(f"weight_decay must be finite and >= 0, got {self.weight_decay}")
-        if self.resume and self.overwrite:
-            raise UsageError("--resume continues a run and --overwrite deletes it: pass one")
-        if self.stages > 1:
-            if self.grad_accum != 1:
-                raise UsageError(
-                    "--grad-accum splits the batch into micro-batches, which the token "
-                    "pipeline does not take; drop --grad-accum or --stages"
-                )
-            parse_slices(self.slices)
-        elif self.slices != "auto" or self.cost is not None or not self.stage_zero:
-            raise UsageError(
-                "--slices, --cost and --no-stage-zero set up the token pipeline: pass "
-                "--stages K (K > 1) with them"
-            )
-
-    def _check_ranges(self) -> None:
-        """Every count in the range that `zpp train`'s flags take
-        (`zpp_jax.cli.args.RUN`): steps and batches that int32 indexing
-        reaches, a 32-bit seed, 0 meaning never for the intervals."""
-        for name, number in RUN.items():
-            value = getattr(self, name)
-            if name != "seq_len" or value is not None:
-                number.check(f"--{name.replace('_', '-')}", value)
-        if self.grad_accum > self.batch:
-            raise UsageError(
-                f"--grad-accum {self.grad_accum} splits --batch {self.batch} into more "
-                "micro-batches than it has sequences; use at most --batch"
-            )
-
 
 # -- build ----------------------------------------------------------------------
 
@@ -164,22 +83,6 @@ def make_trainer(cfg: RunConfig) -> Trainer:
         grad_accum=cfg.grad_accum,
         max_grad_norm=cfg.clip,
     )
-
-
-def parse_slices(text: str) -> str | int | tuple[int, ...]:
-    """`--slices`: "auto", a slice count "N", or lengths "l1,l2,..."."""
-    if text == "auto":
-        return text
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or min(values) <= 0:
-        raise UsageError(
-            f"--slices {text!r}: use auto, a number of equal slices (8), or the slice "
-            "lengths (16,16,32), all positive"
-        )
-    return values[0] if len(values) == 1 and "," not in text else values
 
 
 def choose_slices(cfg: RunConfig, model_cfg: GPTConfig) -> tuple[tuple[int, ...], str]:

@@ -1,0 +1,169 @@
+"""One training run's settings: `RunConfig`, whose fields are also the
+flags of ``zpp train`` (`zpp_jax.fields`): each with its default, its help
+and its range, written once.
+
+Importing this module costs no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+from zpp_jax.config import ZeroPPConfig
+from zpp_jax.errors import Number, UsageError, count, is_stream, positive
+from zpp_jax.fields import check_flags, option
+
+ARCHS = ("gpt", "llama")
+DTYPES = ("bfloat16", "float32", "float16")
+PIPELINE = "token pipeline (TeraPipe)"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One training run. The model is `arch` at size `model` (a preset)."""
+
+    zero: ZeroPPConfig = ZeroPPConfig(comm_dtype="bfloat16")
+    arch: str = option("gpt", "the model family", choices=ARCHS)
+    model: str = option("tiny", "size preset: tiny, small (both), 125m (gpt)")
+    seq_len: int | None = option(
+        None,
+        "sequence length (default: the preset's)",
+        type=count(why="tokens; leave it out for the preset's length"),
+        name="--seq",
+    )
+    nodes: int = option(2, "nodes; under zpp launch, the job's process count", type=count())
+    local: int = option(
+        4, "devices per node; under zpp launch, each process's device count", type=count()
+    )
+    batch: int = option(16, "global batch (sequences)", type=count(why="sequences per step"))
+    grad_accum: int = option(
+        1, "micro-batches per step", type=count(why="micro-batches, at most --batch")
+    )
+    steps: int = option(
+        200, "optimizer steps", type=count(why="the optimizer counts steps in int32")
+    )
+    lr: float = option(3e-3, "peak learning rate", type=positive("a learning rate"))
+    warmup: int = option(20, "steps of linear warmup", type=count(0, why="steps"))
+    clip: float = option(1.0, "global gradient-norm clip", type=positive("a gradient norm"))
+    weight_decay: float = option(
+        0.1, "AdamW's weight decay", type=Number(float, 0, why="a decay rate")
+    )
+    compute_dtype: str = option("bfloat16", "dtype the model computes in", choices=DTYPES)
+    seed: int = option(
+        0, "seed of the parameters and the data order", type=count(0, 2**32 - 1, "32 bits")
+    )
+    data: str | None = option(
+        None,
+        "train on this instead of the Python standard library's source: a text file, a "
+        "directory or glob of text files, or token files (.bin uint16, .npy uint16/uint32)",
+    )
+    val_data: str | None = option(None, "validation data (default: the last 5% of --data)")
+    tokenizer: str = option(
+        "byte",
+        "byte, bpe:N (a byte-level BPE of N ids trained on the training text), or a "
+        "tokenizer.json; saved with the checkpoints and reused on --resume",
+    )
+    accept_binary: bool = option(
+        False,
+        "train on --data that is not UTF-8 text (a binary file, random bytes) without the "
+        "warning (--tokenizer byte) or the error (BPE, a tokenizer.json)",
+    )
+    vocab_size: int | None = None  # the model's; `build` sets the tokenizer's
+    eval_every: int = option(50, "steps between evaluations", type=count(0, why="steps; 0: never"))
+    eval_batches: int = option(4, "batches per evaluation", type=count())
+    metrics: str | None = option(None, "write JSON lines here")
+    plot: str | None = option(None, "loss plot PNG (default: beside --metrics)")
+    ckpt_dir: str | None = option(None, "directory of the run's checkpoints")
+    ckpt_every: int = option(
+        0, "steps between checkpoints", type=count(0, why="steps; 0: only the last")
+    )
+    resume: bool = option(
+        False,
+        "continue the run in --ckpt-dir from its newest intact checkpoint (the same "
+        "settings are required; a missing or empty directory starts a new run)",
+    )
+    overwrite: bool = option(
+        False,
+        "delete the checkpoints in --ckpt-dir and the --metrics file of an earlier run and "
+        "start a new one (without it, a run never reuses them)",
+    )
+    progress: bool = option(True, "no progress bar or log lines", name="--quiet", negate=True)
+    # Token pipeline (TeraPipe): stages > 1 trains through `PipelineTrainer`.
+    stages: int = option(
+        1,
+        "pipeline stages, each of --nodes x --local devices (1: no pipeline); under zpp "
+        "launch, stages x nodes = processes",
+        type=count(),
+        group=PIPELINE,
+    )
+    slices: str = option(
+        "auto",
+        "token slices of a sequence: auto (planned, see --cost), a count of equal slices, "
+        "or the lengths l1,l2,...",
+        group=PIPELINE,
+    )
+    stage_zero: bool = option(
+        True,
+        "replicate each stage's layers over its devices instead of sharding them with the "
+        "ZeRO flags",
+        name="--no-stage-zero",
+        negate=True,
+        group=PIPELINE,
+    )
+    cost: str | None = option(
+        None,
+        "cost model JSON (zpp profile) for --slices auto (default: the analytic model)",
+        group=PIPELINE,
+    )
+
+    def __post_init__(self) -> None:
+        check_flags(self)
+        if self.grad_accum > self.batch:
+            raise UsageError(
+                f"--grad-accum {self.grad_accum} splits --batch {self.batch} into more "
+                "micro-batches than it has sequences; use at most --batch"
+            )
+        if (self.ckpt_every or self.resume) and not self.ckpt_dir:
+            raise UsageError("checkpointing and --resume need --ckpt-dir")
+        if self.resume and self.overwrite:
+            raise UsageError("--resume continues a run and --overwrite deletes it: pass one")
+        if self.stages > 1:
+            if self.grad_accum != 1:
+                raise UsageError(
+                    "--grad-accum splits the batch into micro-batches, which the token "
+                    "pipeline does not take; drop --grad-accum or --stages"
+                )
+            parse_slices(self.slices)
+        elif self.slices != "auto" or self.cost is not None or not self.stage_zero:
+            raise UsageError(
+                "--slices, --cost and --no-stage-zero set up the token pipeline: pass "
+                "--stages K (K > 1) with them"
+            )
+
+
+def parse_slices(text: str) -> str | int | tuple[int, ...]:
+    """`--slices`: "auto", a slice count "N", or lengths "l1,l2,..."."""
+    if text == "auto":
+        return text
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) <= 0:
+        raise UsageError(
+            f"--slices {text!r}: use auto, a number of equal slices (8), or the slice "
+            "lengths (16,16,32), all positive"
+        )
+    return values[0] if len(values) == 1 and "," not in text else values
+
+
+def default_plot(metrics: str) -> str | None:
+    """The loss plot beside a metrics file, named after it (``run/m.jsonl``:
+    ``run/m.png``); none for a stream (standard output, a pipe)."""
+    path = pathlib.Path(metrics)
+    if is_stream(metrics) or not path.name:  # no name: `check_paths` says what is wrong
+        return None
+    return str(
+        path.with_name(path.name + ".png") if path.suffix == ".png" else path.with_suffix(".png")
+    )
