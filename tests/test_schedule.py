@@ -43,7 +43,7 @@ def test_stacks_are_told_from_single_layers():
 
     from zpp_jax import ZeroPPConfig, shard
     from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
-    from zpp_jax.shard import has_stacked_units
+    from zpp_jax.sharded import has_stacked_units
 
     mesh = make_mesh(2, 4)
     gpt = GPT(GPTConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32), nnx.Rngs(0))

@@ -86,7 +86,7 @@ def relay_as_on_a_gpu(monkeypatch):
     """From here on, CPU meshes relay their units as GPU meshes do, and
     layer loops are unrolled to relay theirs (the values are the same; only
     the order a GPU may run them in changes)."""
-    for module in ("zpp_jax.unit", "zpp_jax.shard"):
+    for module in ("zpp_jax.unit", "zpp_jax.sharded"):
         monkeypatch.setattr(importlib.import_module(module), "prefetches", lambda mesh: True)
 
 

@@ -24,9 +24,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.errors import UsageError
-from zpp_jax.mesh import AXES, mesh_shape
+from zpp_jax.mesh import AXES, batch_sharding, mesh_shape
 from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links, xla_flags
-from zpp_jax.shard import batch_sharding
 from zpp_jax.train import LossFn, compile_for_batch, next_token_loss
 
 

@@ -271,79 +271,25 @@ def hierarchical_reduce_scatter(
     """
     nodes, local = axis_sizes()
     n = nodes * local
-    blocks = None
     if isinstance(full, quant.QuantizedBlocks):
-        blocks = full
-        nb_total = blocks.scales.shape[0]
-        if blocks.scales.ndim != 1 or nb_total % n:
-            raise UsageError(
-                "hierarchical_reduce_scatter needs quantized blocks of the whole vector, "
-                f"scales of shape (N*nb,) with N = {n} devices, got {blocks.scales.shape}"
-            )
-        if residual is not None:
-            raise UsageError(
-                "error feedback needs the fp32 gradient: pass `full` unquantized with a residual"
-            )
-        codes_shape = (nb_total, block_size * bits // 8)
-        if blocks.codes.shape != codes_shape:
-            raise UsageError(
-                f"quantized blocks have codes of shape {blocks.codes.shape}, expected "
-                f"{codes_shape} for {bits}-bit blocks of {block_size}"
-            )
-        s = nb_total // n * block_size
+        blocks, s = full, _blocks_shard_size(full, n, bits, block_size, residual)
     else:
-        if full.ndim != 1 or full.shape[0] % n:
-            raise UsageError(
-                "hierarchical_reduce_scatter needs a 1-D vector whose length is a multiple of "
-                f"the {n} devices, got shape {full.shape}"
-            )
-        s = full.shape[0] // n
+        blocks, s = None, _vector_shard_size(full, n)
         full = full.astype(jnp.float32)
-    r_local = r_node = None
-    if residual is not None:
-        if residual.shape != (residual_size(s, nodes, local),):
-            raise UsageError(
-                f"residual has shape {residual.shape}, expected ({residual_size(s, nodes, local)},)"
-            )
-        r_local = residual[: n * s].reshape(local, nodes, s).astype(jnp.float32)
-        r_node = residual[n * s :].reshape(nodes, s).astype(jnp.float32)
-
+    r_local, r_node = _split_residual(residual, s, nodes, local)
+    kw = dict(rounding=rounding, scale_dtype=scale_dtype)
     if local > 1:
-        # Row [l, m] = chunk m*local + l: what local peer l reduces for node m.
-        if blocks is not None:
-            q = jax.tree.map(lambda a: _chunk_rows(a, nodes, local).swapaxes(0, 1), blocks)
-        elif r_local is None:
-            q = kernels.quantize_reordered(
-                full, nodes, local, bits, block_size, rounding=rounding, scale_dtype=scale_dtype
-            )
-        else:
-            q, r_local = kernels.quantize_reordered_with_feedback(
-                full,
-                r_local,
-                nodes,
-                local,
-                bits,
-                block_size,
-                rounding=rounding,
-                scale_dtype=scale_dtype,
-            )
+        q, r_local = _chunks_for_local_peers(
+            full, blocks, r_local, nodes, local, bits, block_size, kw
+        )
         arrived = _all_to_all(q, LOCAL, scale_dtype)
         if nodes == 1:
             return _mean(_dequantize_sum(arrived, bits, s)[0], mean), _pack_residual(
                 residual, r_local, r_node
             )
-        q, r_node = kernels.dequantize_sum_quantize(
-            arrived, bits, s, r_node, rounding=rounding, scale_dtype=scale_dtype
-        )
-    elif blocks is not None:
-        q = jax.tree.map(lambda a: _chunk_rows(a, nodes, 1)[:, 0], blocks)
+        q, r_node = kernels.dequantize_sum_quantize(arrived, bits, s, r_node, **kw)
     else:
-        rows = full.reshape(nodes, s)
-        if r_node is not None:
-            rows = rows + r_node
-        q = kernels.quantize(rows, bits, block_size, rounding=rounding, scale_dtype=scale_dtype)
-        if r_node is not None:
-            r_node = rows - kernels.dequantize(q, bits, s)
+        q, r_node = _chunks_for_nodes(full, blocks, r_node, nodes, s, bits, block_size, kw)
     if nodes > 1:
         if before_node_step is not None:
             before_node_step(q)
@@ -352,6 +298,80 @@ def hierarchical_reduce_scatter(
     else:  # a 1 x 1 mesh: nothing to reduce
         shard = kernels.dequantize(q, bits, s)[0]
     return _mean(shard, mean), _pack_residual(residual, r_local, r_node)
+
+
+def _chunks_for_local_peers(full, blocks, r_local, nodes, local, bits, block_size, kw):
+    """The quantized chunks, row [l, m] = chunk m*local + l: what local peer
+    l reduces for node m; and the new residual of this step (or None)."""
+    if blocks is not None:
+        return jax.tree.map(lambda a: _chunk_rows(a, nodes, local).swapaxes(0, 1), blocks), None
+    if r_local is None:
+        return kernels.quantize_reordered(full, nodes, local, bits, block_size, **kw), None
+    return kernels.quantize_reordered_with_feedback(
+        full, r_local, nodes, local, bits, block_size, **kw
+    )
+
+
+def _chunks_for_nodes(full, blocks, r_node, nodes, s, bits, block_size, kw):
+    """With one device per node: the quantized chunk for each node, and the
+    new residual of the step across nodes (or None)."""
+    if blocks is not None:
+        return jax.tree.map(lambda a: _chunk_rows(a, nodes, 1)[:, 0], blocks), r_node
+    rows = full.reshape(nodes, s)
+    if r_node is not None:
+        rows = rows + r_node
+    q = kernels.quantize(rows, bits, block_size, **kw)
+    if r_node is not None:
+        r_node = rows - kernels.dequantize(q, bits, s)
+    return q, r_node
+
+
+def _blocks_shard_size(
+    blocks: quant.QuantizedBlocks, n: int, bits: int, block_size: int, residual
+) -> int:
+    """The shard size of a vector given as its quantized blocks; raises
+    UsageError unless they are the blocks of a whole vector of `n` shards."""
+    nb_total = blocks.scales.shape[0]
+    if blocks.scales.ndim != 1 or nb_total % n:
+        raise UsageError(
+            "hierarchical_reduce_scatter needs quantized blocks of the whole vector, "
+            f"scales of shape (N*nb,) with N = {n} devices, got {blocks.scales.shape}"
+        )
+    if residual is not None:
+        raise UsageError(
+            "error feedback needs the fp32 gradient: pass `full` unquantized with a residual"
+        )
+    codes_shape = (nb_total, block_size * bits // 8)
+    if blocks.codes.shape != codes_shape:
+        raise UsageError(
+            f"quantized blocks have codes of shape {blocks.codes.shape}, expected "
+            f"{codes_shape} for {bits}-bit blocks of {block_size}"
+        )
+    return nb_total // n * block_size
+
+
+def _vector_shard_size(full: jax.Array, n: int) -> int:
+    if full.ndim != 1 or full.shape[0] % n:
+        raise UsageError(
+            "hierarchical_reduce_scatter needs a 1-D vector whose length is a multiple of "
+            f"the {n} devices, got shape {full.shape}"
+        )
+    return full.shape[0] // n
+
+
+def _split_residual(residual, s: int, nodes: int, local: int):
+    """(The residual of the step inside the node (local, nodes, s), of the
+    step across nodes (nodes, s)), in fp32; (None, None) without one."""
+    if residual is None:
+        return None, None
+    n = nodes * local
+    if residual.shape != (residual_size(s, nodes, local),):
+        raise UsageError(
+            f"residual has shape {residual.shape}, expected ({residual_size(s, nodes, local)},)"
+        )
+    r_local = residual[: n * s].reshape(local, nodes, s).astype(jnp.float32)
+    r_node = residual[n * s :].reshape(nodes, s).astype(jnp.float32)
+    return r_local, r_node
 
 
 def _chunk_rows(a: jax.Array, nodes: int, local: int) -> jax.Array:

@@ -11,7 +11,6 @@ keep) and reduces the weight gradient straight to the primary shard.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -23,13 +22,13 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import pallas_kernels as kernels
-from zpp_jax import collectives, quant, residuals
+from zpp_jax import collectives, residuals
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, LOCAL, NODE, mesh_shape
 from zpp_jax.overlap import relay
 from zpp_jax.partition import Layout, shard_spec
+from zpp_jax.wire import WeightWire
 
 PyTree = Any
 
@@ -102,6 +101,7 @@ class ShardedLayer:
         self.compute_dtype = compute_dtype
         self.reduction = reduction
         self._order = relay.LayerOrder(prefetch=prefetch, hpz=config.hpz)
+        self._wire = WeightWire(layout, config, compute_dtype)
         self._apply = _build(self)
         self._held = _build_held(self)
 
@@ -204,11 +204,11 @@ class ShardedLayer:
         relay token, which the gathers wait on (`LayerOrder`).
         """
         with jax.named_scope("zpp_quantize"):
-            wire = self._to_wire(shard)
+            wire = self._wire.encode(shard)
         with jax.named_scope("zpp_gather"):
             wire = self._order.wire_for_gather(wire, token)
             if not self.config.hpz:
-                return self._decode(collectives.gather_all(wire)), None
+                return self._wire.decode(collectives.gather_all(wire)), None
             secondary = collectives.gather_over(wire, NODE)
             secondary = self._order.secondary_for_gather(secondary, token)
             return self._assemble(secondary), secondary
@@ -218,67 +218,6 @@ class ShardedLayer:
             return self._gather_forward(saved)[0]
         with jax.named_scope("zpp_gather"):
             return self._assemble(saved)
-
-    def _to_wire(self, shard):
-        """This device's shard as it travels: one vector of bytes holding its
-        int8/int4 codes then its fp32 scales (`quant.pack` of `_quantized`),
-        or the raw bits of `comm_dtype`."""
-        if not self.config.quantize_weights:
-            return collectives.to_bits(shard.astype(self._wire_dtype))
-        return quant.pack(self._quantized(shard))
-
-    def _unpack_rows(self, rows):
-        """Gathered wire rows (N, bytes) -> `quant.QuantizedBlocks` rows."""
-        return quant.unpack(rows, self._wire_parts.codes, self._wire_parts.scales)
-
-    @functools.cached_property
-    def _wire_parts(self) -> quant.QuantizedBlocks:
-        """Shapes and dtypes of one device's quantized shard (traced once)."""
-        return jax.eval_shape(
-            self._quantized, jax.ShapeDtypeStruct((self.layout.shard_size,), jnp.float32)
-        )
-
-    def _quantized(self, shard):
-        """This device's shard quantized: int8/int4 codes and fp32 scales
-        (`quant.QuantizedBlocks`, each of the layout's segments quantized in
-        blocks of its own, codes and scales concatenated)."""
-        cfg = self.config
-        big, small, width = self._segment_groups()
-        codes, scales = [], []
-        for o, k in big:
-            q = kernels.quantize(shard[o : o + k], cfg.weight_bits, cfg.block_size)
-            codes.append(q.codes.reshape(-1))
-            scales.append(q.scales)
-        if small:
-            # The segments shorter than a block (biases, norm scales) are one
-            # block each: quantized together as the rows of one zero-padded
-            # matrix, one kernel instead of one per tensor. Their padding
-            # does not travel.
-            rows = jnp.stack([jnp.pad(shard[o : o + k], (0, width - k)) for o, k in small])
-            q = kernels.quantize(rows, cfg.weight_bits, width)
-            codes += [q.codes[i, 0, : self._code_bytes(k)] for i, (_, k) in enumerate(small)]
-            scales.append(q.scales.reshape(-1))
-        return quant.QuantizedBlocks(jnp.concatenate(codes), jnp.concatenate(scales))
-
-    def _segment_groups(self):
-        """The layout's segments split into those quantized one by one (a run
-        of whole blocks or a tensor longer than a block) and those shorter
-        than a block, quantized together as rows padded to `width`."""
-        cfg, segments = self.config, self.layout.segments
-        big = [(o, k) for o, k in segments if k >= cfg.block_size]
-        small = [(o, k) for o, k in segments if k < cfg.block_size]
-        width = max((k for _, k in small), default=0)
-        return big, small, quant.effective_block_size(width, cfg.block_size, cfg.weight_bits)
-
-    def _code_bytes(self, k: int) -> int:
-        """Bytes of codes of a segment of `k` elements, shorter than a block:
-        one block of its own length (even for int4, two codes per byte)."""
-        bits = self.config.weight_bits
-        return quant.effective_block_size(k, self.config.block_size, bits) * bits // 8
-
-    @property
-    def _wire_dtype(self):
-        return jnp.float32 if self.config.comm_dtype is None else jnp.dtype(self.config.comm_dtype)
 
     def _assemble(self, secondary):
         """Secondary (nodes, ...) -> gathered over `local` -> the full weight.
@@ -291,42 +230,7 @@ class ShardedLayer:
         """
         rows = collectives.gather_over(secondary, LOCAL)
         rows = jax.tree.map(lambda a: jnp.concatenate([a[:, n] for n in range(a.shape[1])]), rows)
-        return self._decode(rows)
-
-    def _decode(self, rows):
-        """Every device's wire, stacked as rows (N, ...) -> the full
-        parameters in `compute_dtype` (default: each leaf's own)."""
-        cfg, layout, n = self.config, self.layout, self.layout.num_shards
-        if not cfg.quantize_weights:
-            values = collectives.from_bits(rows, self._wire_dtype).astype(jnp.float32)
-            return layout.unflatten_rows(values, self.compute_dtype)
-        rows = self._unpack_rows(rows)
-        big, small, width = self._segment_groups()
-        by_offset, c0, s0 = {}, 0, 0
-        for o, k in big:
-            block = quant.effective_block_size(k, cfg.block_size, cfg.weight_bits)
-            nb, nbytes = quant.num_blocks(k, block), block * cfg.weight_bits // 8
-            q = quant.QuantizedBlocks(
-                rows.codes[:, c0 : c0 + nb * nbytes].reshape(n, nb, nbytes),
-                rows.scales[:, s0 : s0 + nb],
-            )
-            by_offset[o] = kernels.dequantize(q, cfg.weight_bits, k)
-            c0, s0 = c0 + nb * nbytes, s0 + nb
-        if small:
-            padded = []
-            for _, k in small:
-                nbytes = self._code_bytes(k)
-                piece = rows.codes[:, c0 : c0 + nbytes]
-                padded.append(jnp.pad(piece, ((0, 0), (0, self._code_bytes(width) - nbytes))))
-                c0 += nbytes
-            q = quant.QuantizedBlocks(
-                jnp.stack(padded, axis=1)[:, :, None],
-                rows.scales[:, s0 : s0 + len(small), None],
-            )
-            values = kernels.dequantize(q, cfg.weight_bits, width)
-            for i, (o, k) in enumerate(small):
-                by_offset[o] = values[:, i, :k]
-        return layout.from_segments([by_offset[o] for o, _ in layout.segments], self.compute_dtype)
+        return self._wire.decode(rows)
 
     def _reduce(self, grads, residual):
         """The layer's weight gradient (a pytree) -> this device's shard of

@@ -7,7 +7,9 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zpp_jax.errors import UsageError
 
@@ -134,3 +136,31 @@ def mesh_shape(mesh: Mesh) -> tuple[int, int]:
     if missing:
         raise UsageError(f"mesh has axes {tuple(mesh.shape)}; the engine needs {AXES}")
     return mesh.shape[NODE], mesh.shape[LOCAL]
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches for a `shard`ed model: the leading axis over every device."""
+    mesh_shape(mesh)
+    return NamedSharding(mesh, P(AXES))
+
+
+def on_mesh(tree, mesh: Mesh):
+    """`tree` with its arrays that live on one device (an optimizer's step
+    counters, which `nnx.Optimizer` and `optax` create on the default
+    device) replicated over `mesh`; arrays already on the mesh are kept.
+    A graph node (an `nnx.Optimizer`, a module) is updated in place and
+    returned. Why: after one step those counters come back replicated, and
+    `jax.jit` / `nnx.jit` would trace and compile the step a second time.
+    Costs a copy of each such (scalar) array."""
+    mesh_shape(mesh)
+    replicated = NamedSharding(mesh, P())
+
+    def place(a):
+        if isinstance(a, jax.Array) and not isinstance(a.sharding, NamedSharding):
+            return jax.device_put(a, replicated)
+        return a
+
+    if isinstance(tree, nnx.Pytree):
+        nnx.update(tree, jax.tree.map(place, nnx.state(tree)))
+        return tree
+    return jax.tree.map(place, tree)

@@ -35,33 +35,27 @@ and, with hpZ, its secondary shard: never its full weights.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
-from zpp_jax.mesh import AXES, mesh_shape
-from zpp_jax.overlap import prefetches
-from zpp_jax.overlap.loops import unroll_relayed_loops
-from zpp_jax.overlap.relay import relay_scope
+from zpp_jax.mesh import AXES, mesh_shape, on_mesh
+from zpp_jax.outputs import Outputs, append_sown, check_outputs
 from zpp_jax.partition import quant_float_dtypes
 from zpp_jax.unit import (
-    Outputs,
     UnitInfo,
-    append_sown,
     check_block_sizes,
-    check_outputs,
     check_units,
     place,
     run_unit,
     shard_dim,
+    unit_infos,
     with_values,
     zero_residual,
 )
@@ -254,7 +248,7 @@ def shard(
       compute_dtype: cast each unit's gathered weights to this dtype (mixed
         precision). Default None: the model's own dtypes, unchanged.
       outputs: how a unit's outputs that are not per example combine over
-        the devices (`zpp_jax.unit.combine_outputs`). A unit runs on each
+        the devices (`zpp_jax.outputs.combine_outputs`). A unit runs on each
         device's rows of the batch: an output whose leading axis is the
         rows' comes back as the global batch; anything else (an auxiliary
         loss, a count over the batch) is that device's alone, and raises
@@ -294,13 +288,28 @@ def shard(
     """
     config = ZeroPPConfig.check(config)
     check_outputs(outputs)
+    _check_model(model, config)
+    nodes, local = mesh_shape(mesh)
+    n = nodes * local
+    units = _select(model, policy)
+    unit_paths = set(units)
+    for path in units:
+        _make_unit(_get(model, path), mesh, config, compute_dtype, n, _name(path), outputs)
+    _place_outside_units(model, mesh, config, unit_paths)
+    # Everything else (random-stream keys and counts, batch statistics) whole
+    # on every device: a jitted step then takes it with the sharding it
+    # returns it with, and compiles once.
+    return on_mesh(model, mesh)
+
+
+def _check_model(model, config: ZeroPPConfig) -> None:
+    """Raise UsageError unless `model` is an NNX module not yet sharded,
+    with floating-point parameters that `config`'s blocks fit."""
     if not isinstance(model, nnx.Module):
         raise UsageError(
             f"zpp.shard takes a Flax NNX module, got {type(model).__name__}; for Linen use "
             "zpp.shard_linen"
         )
-    nodes, local = mesh_shape(mesh)
-    n = nodes * local
     floats = quant_float_dtypes()
     for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         dtype = jnp.result_type(value.get_value())
@@ -313,27 +322,23 @@ def shard(
     check_block_sizes(
         config, [int(np.size(v)) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
     )
-    if _unit_infos(model):
+    if unit_infos(model):
         raise UsageError(
             "this model is already sharded (zpp.shard ran on it): use it as it is, or shard "
             "zpp.unshard(model) for another mesh or config"
         )
-    units = _select(model, policy)
-    unit_paths = set(units)
-    for path in units:
-        _make_unit(_get(model, path), mesh, config, compute_dtype, n, _name(path), outputs)
-    # Parameters outside every unit: stored split the same way, gathered by
-    # XLA (unquantized) where the model's own code uses them.
+
+
+def _place_outside_units(model, mesh: Mesh, config: ZeroPPConfig, unit_paths: set) -> None:
+    """Parameters outside every unit: stored split the same way, gathered by
+    XLA (unquantized) where the model's own code uses them."""
+    n = mesh.devices.size
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if any(path[: len(u)] == u for u in unit_paths):
             continue
         value = var.get_value()
         dim = shard_dim(np.shape(value), n, stacked=False, keep_below=config.persistence_threshold)
         var.set_value(place(value, mesh, dim))
-    # Everything else (random-stream keys and counts, batch statistics) whole
-    # on every device: a jitted step then takes it with the sharding it
-    # returns it with, and compiles once.
-    return on_mesh(model, mesh)
 
 
 def _make_unit(module, mesh, config, compute_dtype, n, name, outputs):
@@ -472,136 +477,3 @@ def _merge_sown(module: nnx.Module, info: UnitInfo, path, var_type: type, key, v
         record = dict(var.get_value())
         record[key] = append_sown(info, key, record[key], value) if key in record else value
         var.set_value(record)
-
-
-def has_stacked_units(model: nnx.Module) -> bool:
-    """Whether any unit of a model `shard` sharded is a stack of layers (run
-    by a layer loop, ``nnx.scan``) rather than one layer called once."""
-    return any(info.stacked for info in _unit_infos(model))
-
-
-def unrolls_layer_loops(model: nnx.Module) -> bool:
-    """Whether a step of this sharded model unrolls its layer loops (see
-    `ZeroPPConfig.unroll_layer_loops`): some unit is a stack, on a mesh whose
-    units relay their collectives, configured to."""
-    return any(
-        info.stacked and info.config.unroll_layer_loops and prefetches(info.mesh)
-        for info in _unit_infos(model)
-    )
-
-
-def _unit_infos(tree) -> list[UnitInfo]:
-    infos = []
-    for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Module)):
-        if isinstance(leaf, nnx.Module):
-            for _, m in nnx.iter_modules(leaf):
-                if isinstance(getattr(m, "_zpp", None), UnitInfo):
-                    infos.append(m._zpp)
-    return infos
-
-
-# -- after training -----------------------------------------------------------------
-
-
-def unshard(model: nnx.Module) -> nnx.Module:
-    """A plain copy of a `shard`ed model: its own classes, every parameter
-    whole on every device (evaluation, generation, export), no
-    error-feedback residuals. The sharded model is left as it is.
-
-    Memory: the full model on every device.
-    """
-    graphdef, state = nnx.split(model)
-    plain = nnx.merge(graphdef, state)
-    mesh = None
-    for _, module in nnx.iter_modules(plain):
-        info = getattr(module, "_zpp", None)
-        if isinstance(info, UnitInfo):
-            mesh = info.mesh
-            module.__class__ = type(module)._zpp_base
-            del module._zpp
-            if hasattr(module, "_zpp_residual"):
-                del module._zpp_residual
-    if mesh is None:
-        raise UsageError("zpp.unshard takes a model made by zpp.shard")
-    replicated = NamedSharding(mesh, P())
-    for _, var in nnx.to_flat_state(nnx.state(plain, nnx.Param)):
-        var.set_value(jax.device_put(var.get_value(), replicated))
-    return plain
-
-
-def _with_feedback(argnums):
-    """The `wrt` of a gradient that also carries the error-feedback residuals."""
-    wrt = nnx.Any(nnx.Param, FeedbackResidual)
-    if isinstance(argnums, int):
-        return nnx.DiffState(argnums, wrt), (argnums,)
-    return tuple(nnx.DiffState(a, wrt) for a in argnums), tuple(argnums)
-
-
-def value_and_grad(f: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
-    """`nnx.value_and_grad` with respect to the parameters (`nnx.Param`) of
-    the modules at `argnums`, for `shard`ed models with or without error
-    feedback: each unit's new `FeedbackResidual` is written into its module,
-    and the gradients returned hold the parameters only (what
-    `nnx.Optimizer.update` takes). Without error feedback it is
-    ``nnx.value_and_grad(f, argnums=argnums)``."""
-    diff, positions = _with_feedback(argnums)
-    inner = nnx.value_and_grad(f, argnums=diff, has_aux=has_aux)
-    unrolled = nnx.value_and_grad(unroll_relayed_loops(f), argnums=diff, has_aux=has_aux)
-
-    @functools.wraps(f)
-    def wrapper(*args, **kwargs):
-        with relay_scope():
-            value, grads = (unrolled if unrolls_layer_loops((args, kwargs)) else inner)(
-                *args, **kwargs
-            )
-        grads_t = (grads,) if isinstance(argnums, int) else tuple(grads)
-        out = []
-        for pos, g in zip(positions, grads_t, strict=True):
-            params, residuals = nnx.split_state(g, nnx.Param, FeedbackResidual)
-            if jax.tree.leaves(residuals):
-                nnx.update(args[pos], residuals)  # the next step's residuals
-            out.append(params)
-        return value, (out[0] if isinstance(argnums, int) else tuple(out))
-
-    return wrapper
-
-
-def grad(f: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
-    """`value_and_grad` without the value (nor the aux, which it returns
-    with the gradients as ``(grads, aux)`` when `has_aux`)."""
-    vg = value_and_grad(f, argnums, has_aux)
-
-    @functools.wraps(f)
-    def wrapper(*args, **kwargs):
-        value, grads = vg(*args, **kwargs)
-        return (grads, value[1]) if has_aux else grads
-
-    return wrapper
-
-
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Batches for a `shard`ed model: the leading axis over every device."""
-    mesh_shape(mesh)
-    return NamedSharding(mesh, P(AXES))
-
-
-def on_mesh(tree, mesh: Mesh):
-    """`tree` with its arrays that live on one device (an optimizer's step
-    counters, which `nnx.Optimizer` and `optax` create on the default
-    device) replicated over `mesh`; arrays already on the mesh are kept.
-    A graph node (an `nnx.Optimizer`, a module) is updated in place and
-    returned. Why: after one step those counters come back replicated, and
-    `jax.jit` / `nnx.jit` would trace and compile the step a second time.
-    Costs a copy of each such (scalar) array."""
-    mesh_shape(mesh)
-    replicated = NamedSharding(mesh, P())
-
-    def place(a):
-        if isinstance(a, jax.Array) and not isinstance(a.sharding, NamedSharding):
-            return jax.device_put(a, replicated)
-        return a
-
-    if isinstance(tree, nnx.Pytree):
-        nnx.update(tree, jax.tree.map(place, nnx.state(tree)))
-        return tree
-    return jax.tree.map(place, tree)

@@ -35,14 +35,12 @@ from zpp_jax._compat import is_tracer
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, mesh_shape
+from zpp_jax.outputs import Outputs, append_sown, check_outputs
 from zpp_jax.overlap.relay import relay_scope
 from zpp_jax.partition import quant_float_dtypes
 from zpp_jax.unit import (
-    Outputs,
     UnitInfo,
-    append_sown,
     check_block_sizes,
-    check_outputs,
     check_units,
     expect_units,
     place,
@@ -190,13 +188,7 @@ def _call_unit(module: nn.Module, info: UnitInfo, args, kwargs):
     sown_before = {(c, p): v for c, p, v in flat if isinstance(v, tuple)}
     stored = {key: (dim, ndim) for key, dim, ndim in info.dims}
     unbound = module.clone(parent=None)
-    # The collections the caller's apply may change, new ones (a first sow)
-    # included; a filter (a DenyList) lets change the ones it names of those held.
-    mutable = module.scope.mutable
-    if isinstance(mutable, list | tuple):
-        mutable = [c for c in mutable if c not in ("params", RESIDUALS)]
-    elif mutable is not True and not isinstance(mutable, str):
-        mutable = [c for c in others if module.is_mutable_collection(c)]
+    mutable = _mutable(module, others)
     sown_at: dict[str, tuple] = {}  # what the call sowed: name -> (collection, path)
 
     def run(values, state_values, call_args, call_kwargs):
@@ -245,13 +237,30 @@ def _call_unit(module: nn.Module, info: UnitInfo, args, kwargs):
         final[key] = (
             append_sown(info, name, sown_before[key], value) if key in sown_before else value
         )
+    _put_collections(module, final)
+    return out
+
+
+def _mutable(module: nn.Module, others: dict):
+    """The collections the caller's apply may change, new ones (a first sow)
+    included; a filter (a DenyList) lets change the ones it names of those held."""
+    mutable = module.scope.mutable
+    if isinstance(mutable, list | tuple):
+        return [c for c in mutable if c not in ("params", RESIDUALS)]
+    if mutable is not True and not isinstance(mutable, str):
+        return [c for c in others if module.is_mutable_collection(c)]
+    return mutable
+
+
+def _put_collections(module: nn.Module, final: dict) -> None:
+    """Write a unit's new variables ((collection, path) -> value) into the
+    caller's scope, in the collections it may change."""
     for c in {c for c, _ in final}:
         if not module.is_mutable_collection(c):
             continue
         tree = unflatten_dict({p: v for (col, p), v in final.items() if col == c})
         for name, value in tree.items():
             module.put_variable(c, name, value)
-    return out
 
 
 def _on_device(next_fun, args, kwargs, context):
@@ -334,18 +343,7 @@ def shard_linen(
                 "ZeRO++ shards float32, bfloat16 and float16 parameters"
             )
     check_block_sizes(config, [int(np.size(v)) for v in params.values()])
-    tree = unflatten_dict(params)
-    if policy is None:
-        units = default_linen_units(tree)
-    elif callable(policy):
-        units = sorted({p[:i] for p in params for i in range(1, len(p)) if policy(p[:i])})
-    else:
-        units = [tuple(p) for p in policy]
-    units = [u for u in units if any(p[: len(u)] == u for p in params)]
-    check_units(
-        units,
-        "give shard_linen a policy that names submodule paths, or policy=None for the default",
-    )
+    units = _select(params, policy)
     dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
     infos, sharded, split_dims = {}, {}, {}
     for path, value in params.items():
@@ -364,6 +362,23 @@ def shard_linen(
     if config.error_feedback:
         out[RESIDUALS] = _zero_residuals(params, infos, mesh)
     return ShardedLinen(module, infos), out
+
+
+def _select(params: dict, policy) -> list[tuple]:
+    """The unit paths `policy` selects among the modules holding `params`
+    (flat, by path)."""
+    if policy is None:
+        units = default_linen_units(unflatten_dict(params))
+    elif callable(policy):
+        units = sorted({p[:i] for p in params for i in range(1, len(p)) if policy(p[:i])})
+    else:
+        units = [tuple(p) for p in policy]
+    units = [u for u in units if any(p[: len(u)] == u for p in params)]
+    check_units(
+        units,
+        "give shard_linen a policy that names submodule paths, or policy=None for the default",
+    )
+    return units
 
 
 Policy = Any

@@ -33,18 +33,11 @@ from jax.sharding import PartitionSpec as P
 from zpp_jax.analysis.links import compile_with_links
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError, check_positive_finite
-from zpp_jax.mesh import AXES, mesh_shape
+from zpp_jax.mesh import AXES, batch_sharding, mesh_shape, on_mesh
 from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links, xla_flags
 from zpp_jax.overlap.relay import relay_scope
-from zpp_jax.shard import (
-    Policy,
-    batch_sharding,
-    has_stacked_units,
-    on_mesh,
-    shard,
-    unrolls_layer_loops,
-    value_and_grad,
-)
+from zpp_jax.shard import Policy, shard
+from zpp_jax.sharded import has_stacked_units, unrolls_layer_loops, value_and_grad
 from zpp_jax.unit import expect_units
 
 LossFn = Callable[[nnx.Module, dict], jax.Array]

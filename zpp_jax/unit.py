@@ -33,6 +33,7 @@ from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.layer import ShardedLayer
 from zpp_jax.mesh import AXES, mesh_shape
+from zpp_jax.outputs import combine_outputs
 from zpp_jax.overlap import prefetches
 from zpp_jax.overlap.relay import current_chains
 from zpp_jax.partition import ParamLayout
@@ -76,6 +77,17 @@ def expect_units(what: str, enabled: bool = True) -> Iterator[None]:
             "the jitted function after sharding; a jitted method of the model's own (nn.jit) "
             "is traced anew by zpp"
         )
+
+
+def unit_infos(tree) -> list[UnitInfo]:
+    """The `UnitInfo` of every unit of the sharded NNX modules in `tree`."""
+    infos = []
+    for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Module)):
+        if isinstance(leaf, nnx.Module):
+            for _, m in nnx.iter_modules(leaf):
+                if isinstance(getattr(m, "_zpp", None), UnitInfo):
+                    infos.append(m._zpp)
+    return infos
 
 
 def check_units(units: Sequence[tuple], fix: str) -> None:
@@ -215,73 +227,7 @@ def run_unit(
     calls = _UNIT_CALLS.get()
     if calls is not None:
         calls.append(info.name)
-    n = info.mesh.devices.size
-    split, whole = _split_params(params)
-    layout = None
-    if split:
-        layout = call_layout(
-            info.config, [(np.shape(v), jnp.result_type(v), d) for _, v, d in split], n
-        )
-        _check_residual(info, layout, residual)
-    else:
-        residual = None
-
-    arg_def, arg_state = nnx.split((args, kwargs))
-    arg_items = nnx.to_flat_state(arg_state)
-    batch = _batch_size(arg_items)
-    if batch is not None and batch % n:
-        raise UsageError(
-            f"unit {info.name} got a batch of {batch} rows, which does not split over the {n} "
-            f"devices; use a global batch that is a multiple of {n}"
-        )
-
-    def is_batch(x):
-        return (
-            batch is not None
-            and not isinstance(x, nnx.Variable)
-            and np.ndim(x) >= 1
-            and np.shape(x)[0] == batch
-        )
-
-    keys = [kind == "key" for _, kind in state]
-    per_row = [
-        kind == "cache" and batch is not None and np.ndim(v) >= 1 and np.shape(v)[0] == batch
-        for v, kind in state
-    ]
-    arg_keys = [isinstance(v, nnx.RngKey) for _, v in arg_items]
-
-    def fn(full, inputs):
-        """The unit's code on this device's rows: (outputs and sown values
-        with a leading device axis, new state, new arguments)."""
-        rep, state_values, arg_values = inputs
-        index = lax.axis_index(AXES)
-        values = dict(zip([k for k, _, _ in split], full or [], strict=True))
-        values.update(zip([k for k, _ in whole], rep, strict=True))
-        if info.compute_dtype is not None:
-            values = {k: v.astype(info.compute_dtype) for k, v in values.items()}
-        call_args, call_kwargs = nnx.merge(
-            arg_def, with_values(arg_items, _fold(arg_values, arg_keys, index))
-        )
-        out, new_state, sown = run(values, _fold(state_values, keys, index), call_args, call_kwargs)
-        if len(new_state) != len(state_values):
-            raise UsageError(
-                f"unit {info.name} made new state in its call ({len(state_values)} variables "
-                f"before, {len(new_state)} after); create a unit's variables (caches, "
-                "counters) before sharding it, e.g. init_cache before zpp.shard"
-            )
-        _, new_arg_state = nnx.split((call_args, call_kwargs))
-        new_args = [
-            old if is_key or not isinstance(v, nnx.Variable) else v.get_value()
-            for (_, v), old, is_key in zip(
-                nnx.to_flat_state(new_arg_state), arg_values, arg_keys, strict=True
-            )
-        ]
-        new_state = [
-            old if is_key else new
-            for new, old, is_key in zip(new_state, state_values, keys, strict=True)
-        ]
-        return jax.tree.map(lambda a: a[None], (out, sown)), new_state, new_args
-
+    call = _Call(info, params, state, residual, args, kwargs)
     prefetch = prefetches(info.mesh)
     # Called outside any trace (an eager call of the model): the call is
     # compiled on its own, and joins no relay chain.
@@ -290,62 +236,165 @@ def run_unit(
     # own weights: its backward pass would be an empty window for the
     # neighbours' communication, so it is left out of the relay chain and
     # its own few bytes are scheduled freely.
-    relayed = layout is not None and any(np.ndim(v) >= 2 for _, v, _, _ in params)
+    relayed = call.layout is not None and any(np.ndim(v) >= 2 for _, v, _, _ in params)
     chains = current_chains() if prefetch and relayed and not eager else None
     token = None if chains is None else chains.take(info.mesh)
-
-    def local(blocks, rep, state_values, arg_values, residual, token):
-        inputs = (rep, state_values, arg_values)
-        if layout is None:
-            return fn(None, inputs), None
-        layer = ShardedLayer(
-            lambda full, x: fn(jax.tree.leaves(full), x),
-            layout,
-            info.config,
-            reduction="sum",
-            prefetch=prefetch,
-        )
-        shard = layout.pack(layout.treedef.unflatten(blocks))
-        if token is None:
-            return layer(shard, inputs, residual), None
-        return layer.relayed(shard, inputs, residual, token)
-
-    state_specs = [P(AXES) if rows else P() for rows in per_row]
     mapped = jax.shard_map(
-        local,
+        call.local(run, prefetch),
         mesh=info.mesh,
-        in_specs=(
-            [spec_along(np.ndim(v), d) for _, v, d in split],
-            P(),
-            state_specs,
-            [P(AXES) if is_batch(x) else P() for _, x in arg_items],
-            None if residual is None else P(AXES),
-            None if token is None else P(AXES),
-        ),
-        out_specs=((P(AXES), state_specs, P()), None if token is None else P(AXES)),
+        in_specs=call.in_specs(token),
+        out_specs=call.out_specs(token),
         check_vma=False,
     )
     # The layer's custom_vjp cannot run under an eager shard_map: compile it.
     (stacked, new_state, new_args), token = (jax.jit(mapped) if eager else mapped)(
-        [v for _, v, _ in split],
-        [v for _, v in whole],
-        [v for v, _ in state],
-        [x.get_value() if isinstance(x, nnx.Variable) else x for _, x in arg_items],
-        residual,
-        token,
+        *call.operands(token)
     )
     if token is not None:
         chains.put(info.mesh, token)
-    changed = [
-        (item, x)
-        for item, x in zip(arg_items, new_args, strict=True)
-        if isinstance(item[1], nnx.Variable)
-    ]
-    if changed:  # random streams and other graph nodes passed in: their new state
-        items, values = zip(*changed, strict=True)
-        nnx.update((args, kwargs), with_values(items, values))
-    out, sown = combine_outputs(info, stacked, None if batch is None else batch // n)
+    call.update_args(new_args)
+    out, sown = combine_outputs(info, stacked, call.local_batch)
     return out, new_state, sown
+
+
+class _Call:
+    """One call of a unit taken apart: its parameters split over the
+    devices or whole, their layout, its state, and its arguments, per row
+    of the batch or whole."""
+
+    def __init__(self, info: UnitInfo, params, state, residual, args: tuple, kwargs: dict):
+        self.info, self.state, self.args, self.kwargs = info, state, args, kwargs
+        n = info.mesh.devices.size
+        self.split, self.whole = _split_params(params)
+        self.layout = None
+        if self.split:
+            self.layout = call_layout(
+                info.config, [(np.shape(v), jnp.result_type(v), d) for _, v, d in self.split], n
+            )
+            _check_residual(info, self.layout, residual)
+        else:
+            residual = None
+        self.residual = residual
+        self.arg_def, arg_state = nnx.split((args, kwargs))
+        self.arg_items = nnx.to_flat_state(arg_state)
+        self.batch = _batch_size(self.arg_items)
+        if self.batch is not None and self.batch % n:
+            raise UsageError(
+                f"unit {info.name} got a batch of {self.batch} rows, which does not split over "
+                f"the {n} devices; use a global batch that is a multiple of {n}"
+            )
+        self.local_batch = None if self.batch is None else self.batch // n
+        self.keys = [kind == "key" for _, kind in state]
+        self.per_row = [kind == "cache" and self._is_rows(v) for v, kind in state]
+        self.arg_keys = [isinstance(v, nnx.RngKey) for _, v in self.arg_items]
+
+    def _is_rows(self, x) -> bool:
+        """Whether `x` holds one row per example of the batch."""
+        return self.batch is not None and np.ndim(x) >= 1 and np.shape(x)[0] == self.batch
+
+    def on_device(self, run: Run) -> Callable:
+        """The unit's code on this device's rows: ``f(full params, (whole
+        params, state, arguments)) -> (outputs and sown values with a
+        leading device axis, new state, new arguments)``."""
+        info, arg_keys, keys = self.info, self.arg_keys, self.keys
+
+        def fn(full, inputs):
+            rep, state_values, arg_values = inputs
+            index = lax.axis_index(AXES)
+            values = dict(zip([k for k, _, _ in self.split], full or [], strict=True))
+            values.update(zip([k for k, _ in self.whole], rep, strict=True))
+            if info.compute_dtype is not None:
+                values = {k: v.astype(info.compute_dtype) for k, v in values.items()}
+            call_args, call_kwargs = nnx.merge(
+                self.arg_def, with_values(self.arg_items, _fold(arg_values, arg_keys, index))
+            )
+            out, new_state, sown = run(
+                values, _fold(state_values, keys, index), call_args, call_kwargs
+            )
+            if len(new_state) != len(state_values):
+                raise UsageError(
+                    f"unit {info.name} made new state in its call ({len(state_values)} "
+                    f"variables before, {len(new_state)} after); create a unit's variables "
+                    "(caches, counters) before sharding it, e.g. init_cache before zpp.shard"
+                )
+            _, new_arg_state = nnx.split((call_args, call_kwargs))
+            new_args = [
+                old if is_key or not isinstance(v, nnx.Variable) else v.get_value()
+                for (_, v), old, is_key in zip(
+                    nnx.to_flat_state(new_arg_state), arg_values, arg_keys, strict=True
+                )
+            ]
+            new_state = [
+                old if is_key else new
+                for new, old, is_key in zip(new_state, state_values, keys, strict=True)
+            ]
+            return jax.tree.map(lambda a: a[None], (out, sown)), new_state, new_args
+
+        return fn
+
+    def local(self, run: Run, prefetch: bool) -> Callable:
+        """What `jax.shard_map` runs on each device: the unit's code, through
+        a `ShardedLayer` when it has parameters to gather."""
+        fn, layout, config = self.on_device(run), self.layout, self.info.config
+
+        def local(blocks, rep, state_values, arg_values, residual, token):
+            inputs = (rep, state_values, arg_values)
+            if layout is None:
+                return fn(None, inputs), None
+            layer = ShardedLayer(
+                lambda full, x: fn(jax.tree.leaves(full), x),
+                layout,
+                config,
+                reduction="sum",
+                prefetch=prefetch,
+            )
+            shard = layout.pack(layout.treedef.unflatten(blocks))
+            if token is None:
+                return layer(shard, inputs, residual), None
+            return layer.relayed(shard, inputs, residual, token)
+
+        return local
+
+    def _state_specs(self) -> list[P]:
+        return [P(AXES) if rows else P() for rows in self.per_row]
+
+    def in_specs(self, token) -> tuple:
+        return (
+            [spec_along(np.ndim(v), d) for _, v, d in self.split],
+            P(),
+            self._state_specs(),
+            [
+                P(AXES) if self._is_rows(x) and not isinstance(x, nnx.Variable) else P()
+                for _, x in self.arg_items
+            ],
+            None if self.residual is None else P(AXES),
+            None if token is None else P(AXES),
+        )
+
+    def out_specs(self, token) -> tuple:
+        return (P(AXES), self._state_specs(), P()), None if token is None else P(AXES)
+
+    def operands(self, token) -> tuple:
+        return (
+            [v for _, v, _ in self.split],
+            [v for _, v in self.whole],
+            [v for v, _ in self.state],
+            [x.get_value() if isinstance(x, nnx.Variable) else x for _, x in self.arg_items],
+            self.residual,
+            token,
+        )
+
+    def update_args(self, new_args: list) -> None:
+        """Write the new state of the graph nodes passed in (random streams)
+        back into the caller's arguments."""
+        changed = [
+            (item, x)
+            for item, x in zip(self.arg_items, new_args, strict=True)
+            if isinstance(item[1], nnx.Variable)
+        ]
+        if changed:
+            items, values = zip(*changed, strict=True)
+            nnx.update((self.args, self.kwargs), with_values(items, values))
 
 
 def _split_params(params):
@@ -373,109 +422,6 @@ def _check_residual(info: UnitInfo, layout: ParamLayout, residual) -> None:
             "stored (a stack it did not recognize?); pass a policy, or turn error "
             "feedback off"
         )
-
-
-# -- what comes out of a unit ---------------------------------------------------------
-
-COMBINES = ("batch", "mean", "sum")
-Outputs = str | Callable[[str, str], str | None] | None
-
-
-def check_outputs(outputs: Outputs) -> None:
-    """Raise UsageError unless `outputs` is a declaration `combine_outputs`
-    takes: None, "mean", "sum", or a function (unit, output) -> kind."""
-    if outputs is None or callable(outputs) or outputs in ("mean", "sum"):
-        return
-    raise UsageError(
-        f"outputs={outputs!r}: give None (units return per-example values only), 'mean' or "
-        "'sum' (how every unit's other outputs combine over the devices), or a function "
-        "(unit, output) -> 'batch' | 'mean' | 'sum' | None"
-    )
-
-
-def combine_outputs(info: UnitInfo, stacked: tuple, local_batch: int | None) -> tuple:
-    """A unit's outputs and sown values from every device's (stacked on a
-    leading device axis), by the rule of `zpp_jax.shard.shard`'s `outputs`:
-
-    * "batch": per-example values (leading axis the device's rows), put
-      back together into the global batch. The default for every output
-      whose leading axis has the rows' length.
-    * "mean" / "sum": the mean or the sum over the devices of each device's
-      value; exact for a mean or a sum over the batch's rows (each device
-      holds as many rows), wrong for anything else (a product of means).
-    * a unit called without a batch (no array argument) runs the same on
-      every device: its value, device 0's.
-
-    Any other output must be declared: a statistic over the batch computed
-    inside a unit is that device's, so it raises UsageError instead.
-    """
-    out, sown = stacked
-
-    def combine(prefix):
-        def one(path, a):
-            return _combine(info, prefix + jax.tree_util.keystr(path), a, local_batch)
-
-        return one
-
-    return (
-        jax.tree_util.tree_map_with_path(combine("output"), out),
-        jax.tree_util.tree_map_with_path(combine("sow"), sown),
-    )
-
-
-def _combine(info: UnitInfo, name: str, a: jax.Array, local_batch: int | None) -> jax.Array:
-    per_example = local_batch is not None and a.ndim >= 2 and a.shape[1] == local_batch
-    if isinstance(info.outputs, str):
-        kind = "batch" if per_example else info.outputs
-    else:
-        kind = info.outputs(info.name, name) if callable(info.outputs) else None
-        if kind not in (None, *COMBINES):
-            raise UsageError(
-                f"outputs({info.name!r}, {name!r}) returned {kind!r}; return one of {COMBINES} "
-                "or None (per-example if its leading axis is the batch's)"
-            )
-    if kind is None and local_batch is None:
-        return a[0]  # no batch: the same on every device
-    if kind is None and not per_example:
-        raise UsageError(_not_per_example(info, name, a, local_batch))
-    if kind in (None, "batch"):
-        if not per_example:
-            raise UsageError(
-                f"unit {info.name}: {name} is declared 'batch' but has shape {a.shape[1:]}, "
-                f"whose leading axis is not this device's {local_batch} rows"
-            )
-        return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
-    if kind == "mean" and not jnp.issubdtype(a.dtype, jnp.floating):
-        raise UsageError(
-            f"unit {info.name}: {name} is {a.dtype.name} and cannot be averaged over the "
-            "devices; declare it 'sum' (a count), or return it per example"
-        )
-    reduce = jnp.mean if kind == "mean" else jnp.sum
-    return reduce(a.astype(jnp.float32) if kind == "mean" else a, axis=0).astype(a.dtype)
-
-
-def append_sown(info: UnitInfo, name: str, have, new):
-    """A value sown again (the unit called twice): appended, as sow's
-    default tuple reduction does; any other reduction is refused."""
-    if isinstance(have, tuple) and isinstance(new, tuple):
-        return have + new
-    raise UsageError(
-        f"unit {info.name} sowed {name} again with a reduction other than sow's default "
-        "(a tuple); zpp cannot apply another reduction across devices: sow with the default, "
-        "or reduce the tuple after the call"
-    )
-
-
-def _not_per_example(info: UnitInfo, name: str, a: jax.Array, local_batch: int) -> str:
-    return (
-        f"unit {info.name} returned {name} of shape {a.shape[1:]} ({a.dtype.name}), which is "
-        f"not per example (its leading axis is not this device's {local_batch} rows of the "
-        "batch). A unit runs on each device's rows, so a statistic of the batch computed "
-        "inside it is that device's alone. Return per-example values and reduce them "
-        "outside the unit, or declare how it combines over the devices: zpp.shard(..., "
-        "outputs='mean') is exact for a mean over the rows, 'sum' for a sum over them, or a "
-        "function (unit, output) -> 'batch' | 'mean' | 'sum' | None for each output"
-    )
 
 
 def _batch_size(items) -> int | None:

@@ -109,6 +109,18 @@ def _num_params(model) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+def _timed_step(compiled, state, batch):
+    """(The new state, the seconds one step took, its loss), the batch on
+    its devices before the clock starts."""
+    import jax
+
+    jax.block_until_ready(batch)
+    start = time.perf_counter()
+    state, metrics = compiled(state, batch)
+    loss = float(metrics["loss"])
+    return state, time.perf_counter() - start, loss
+
+
 def main(argv=None) -> None:
     args = _parse(argv)
     from zpp_jax.distributed import initialize, node_mesh
@@ -162,15 +174,10 @@ def main(argv=None) -> None:
                 state, metrics = compiled(state, batch(i))
                 jax.block_until_ready(metrics)
                 i += 1
-            times, losses = [], []
-            tx0, rx0 = _link_bytes(args.link)
+            times, losses, (tx0, rx0) = [], [], _link_bytes(args.link)
             for _ in range(args.steps):
-                b = batch(i)
-                jax.block_until_ready(b)
-                start = time.perf_counter()
-                state, metrics = compiled(state, b)
-                loss = float(metrics["loss"])
-                times.append(time.perf_counter() - start)
+                state, seconds, loss = _timed_step(compiled, state, batch(i))
+                times.append(seconds)
                 losses.append(loss)
                 i += 1
             tx1, rx1 = _link_bytes(args.link)

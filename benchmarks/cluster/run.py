@@ -223,7 +223,7 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Two-node ZeRO++ benchmark over a shaped link.")
     p.add_argument(
         "--rates",
@@ -249,7 +249,11 @@ def main(argv=None) -> None:
         action="store_true",
         help="keep glibc's default mmap and trim thresholds in the nodes (see MALLOC_ENV)",
     )
-    args, node_args = p.parse_known_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    args, node_args = _parser().parse_known_args(argv)
     rates = args.rates or ([*SWEEP_RATES, "unshaped"] if args.sweep else ["1gbit"])
     for rate in rates:
         shaping.rate_bits(rate)

@@ -152,121 +152,9 @@ def _comm(args) -> int:
         # The CUDA plugin cannot start without a GPU; its compile-only
         # client needs none.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import json
+    from zpp_jax.cli.comm import run_comm
 
-    import jax
-    from flax import nnx
-
-    from zpp_jax.cli.comm import BASELINES, DEFAULT_CONFIGS, compare
-    from zpp_jax.mesh import make_mesh
-    from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
-
-    if args.seq is not None and args.seq < 1:
-        raise UsageError(f"--seq must be a positive number of tokens, got {args.seq}")
-    seq = {"seq_len": args.seq} if args.seq else {}
-    if args.arch == "gpt":
-        model = GPTConfig.preset(args.model, **seq)
-
-        def build():
-            return GPT(model, nnx.Rngs(0))
-    else:
-        model = LlamaConfig.preset(args.model, **seq)
-
-        def build():
-            return Llama(model, nnx.Rngs(0))
-
-    known = [*DEFAULT_CONFIGS, *BASELINES]
-    unknown = set(args.configs) - set(known)
-    if unknown:
-        raise UsageError(f"unknown configs {sorted(unknown)}; choose from {known}")
-    configs = {
-        name: BASELINES[name]
-        if name in BASELINES
-        else DEFAULT_CONFIGS[name].replace(persistence_threshold=args.persistence_threshold)
-        for name in args.configs
-    }
-    if args.target == "cpu":
-        mesh, make = make_mesh(args.nodes, args.local), build
-    else:
-        from zpp_jax.analysis import target_mesh
-
-        mesh = target_mesh(args.nodes, args.local, args.target_config)
-
-        def make():
-            return nnx.eval_shape(build)
-
-    compute = None if args.compute_dtype == "model" else args.compute_dtype
-    reports = compare(make, mesh, args.batch, model.seq_len, configs, compute)
-    if args.json:
-        print(json.dumps({"configs": reports}))
-        return 0
-    base = reports[0]["cross_node_bytes"]
-    params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(build), nnx.Param)))
-    print(
-        f"{args.arch} {args.model} ({params:,} parameters) on {args.target}, mesh "
-        f"{args.nodes} x {args.local}, batch {args.batch} x {model.seq_len}; per device per step:"
-    )
-    print(
-        f"{'config':10s}{'cross-node B':>16s}{'vs ' + reports[0]['name']:>10s}"
-        f"{'intra-node B':>16s}{'peak memory B':>17s}{'state B':>16s}"
-        + ("  overlapped / collectives" if args.target != "cpu" else "")
-    )
-    for r in reports:
-        ratio = base / r["cross_node_bytes"] if r["cross_node_bytes"] else float("inf")
-        line = (
-            f"{r['name']:10s}{r['cross_node_bytes']:16,.0f}{ratio:9.2f}x"
-            f"{r['intra_node_bytes']:16,.0f}{r['peak_memory_bytes']:17,}{r['state_bytes']:16,}"
-        )
-        if args.target != "cpu":
-            line += "  " + ", ".join(f"{k} {a}/{b}" for k, (a, b) in r["overlap"].items())
-        print(line)
-    if args.target != "cpu":
-        print(
-            "XLA's estimate of the step (its scheduler's cost model, not a measurement): "
-            "step time, and communication time that no compute covers:"
-        )
-        for r in reports:
-            est = r["estimate"]
-            if est is None:
-                print(
-                    f"  {r['name']:10s}none: {r['estimate_withheld'] or 'no scheduler statistics'}"
-                )
-                continue
-            exposed = sum(est["exposed_us"].values())
-            kinds = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in est["exposed_us"].items() if v)
-            print(
-                f"  {r['name']:10s}step {est['step_us'] / 1e3:8.2f} ms   exposed "
-                f"{exposed / 1e3:7.2f} ms ({exposed / est['step_us']:.1%})"
-                + (f": {kinds}" if kinds else "")
-            )
-        print(
-            "runs per step that no schedule of the program can put behind a GEMM (every "
-            "GEMM of the program, or of their loop iteration, feeds them or needs them):"
-        )
-        for r in reports:
-            some = ", ".join(f"{k} {n}" for k, n in r["unhideable"].items() if n) or "none"
-            print(f"  {r['name']:10s}{some}")
-        for r in reports:
-            print(f"\n{r['name']}: each collective, runs per step, and what it runs behind")
-            for c in r["collectives"]:
-                where = "across nodes" if c["spans_nodes"] else "inside nodes"
-                if c["behind"]:
-                    behind = f"{len(c['behind'])} GEMMs, first {_short_op(c['behind'][0])}"
-                else:
-                    behind = "nothing (async, no GEMM before its done)" if c["async"] else "sync"
-                if not c["hideable"]:
-                    behind += "; no GEMM is independent of it"
-                print(
-                    f"  {c['kind']:14s}{'/'.join(c['dtypes']):14s}{c['moved_bytes']:14,.0f} B "
-                    f"x{c['runs']:<3d} {where:13s} behind: {behind}"
-                )
-    return 0
-
-
-def _short_op(op: str) -> str:
-    """The end of an HLO op name: what the model was doing (``.../dot_general``)."""
-    parts = [p for p in op.split("/") if p]
-    return "/".join(parts[-3:])
+    return run_comm(args)
 
 
 def _launch(args) -> int:
@@ -304,9 +192,19 @@ def _profile(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `zpp` command line: one subparser per command."""
     parser = Parser(prog="zpp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    _comm_parser(sub)
+    _launch_parser(sub)
+    _plan_parser(sub)
+    _profile_parser(sub)
+    _demo_parser(sub)
+    return parser
 
+
+def _train_parser(sub) -> None:
     train = sub.add_parser(
         "train",
         help="train a GPT or Llama-style model with ZeRO++ on byte-level text (the Python "
@@ -316,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_technique_flags(train)
     train.set_defaults(func=_train)
 
+
+def _comm_parser(sub) -> None:
     comm = sub.add_parser(
         "comm",
         help="compile the GPT training step per configuration and report, from the HLO, "
@@ -364,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--json", action="store_true", help="print JSON instead of a table")
     comm.set_defaults(func=_comm)
 
+
+def _launch_parser(sub) -> None:
     launch = sub.add_parser(
         "launch",
         help="run a zpp subcommand as N local processes, one node each (jax.distributed, "
@@ -403,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the zpp subcommand")
     launch.set_defaults(func=_launch)
 
+
+def _plan_parser(sub) -> None:
     plan = sub.add_parser(
         "plan",
         help="TeraPipe: choose the token slicing of a sequence for a K-stage pipeline",
@@ -453,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_plan)
 
+
+def _profile_parser(sub) -> None:
     prof = sub.add_parser(
         "profile",
         help="time one pipeline stage's forward+backward per (slice length, context) on "
@@ -495,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--out", default="cost.json")
     prof.set_defaults(func=_profile)
 
+
+def _demo_parser(sub) -> None:
     demo = sub.add_parser(
         "demo",
         help="run sharded training steps of a transformer stack and print what moved",
@@ -511,7 +419,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=count(0, 2**32 - 1, "32 bits"), default=0)
     _add_technique_flags(demo)
     demo.set_defaults(func=_demo)
-    return parser
 
 
 def entry() -> None:

@@ -16,6 +16,7 @@ otherwise write: plain `jax.jit` with FSDP-style shardings (`JitFSDP`).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 
 import jax
@@ -23,9 +24,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from zpp_jax.analysis import step_report
+from zpp_jax.analysis import step_report, target_mesh
 from zpp_jax.baseline import JitFSDP
 from zpp_jax.config import ZeroPPConfig
+from zpp_jax.errors import UsageError
+from zpp_jax.mesh import make_mesh
+from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
 from zpp_jax.train import Trainer
 
 DEFAULT_CONFIGS = {
@@ -68,3 +72,125 @@ def compare(
         report = step_report(step, {"inputs": tokens, "targets": tokens})
         reports.append({"name": name, "config": described, **report})
     return reports
+
+
+def run_comm(args) -> int:
+    """`zpp comm`: compile the step per configuration and print what it
+    moves and keeps (a table, or JSON with ``--json``)."""
+    model, build = _model(args)
+    known = [*DEFAULT_CONFIGS, *BASELINES]
+    unknown = set(args.configs) - set(known)
+    if unknown:
+        raise UsageError(f"unknown configs {sorted(unknown)}; choose from {known}")
+    configs = {
+        name: BASELINES[name]
+        if name in BASELINES
+        else DEFAULT_CONFIGS[name].replace(persistence_threshold=args.persistence_threshold)
+        for name in args.configs
+    }
+    if args.target == "cpu":
+        mesh, make = make_mesh(args.nodes, args.local), build
+    else:
+        mesh = target_mesh(args.nodes, args.local, args.target_config)
+
+        def make():
+            return nnx.eval_shape(build)
+
+    compute = None if args.compute_dtype == "model" else args.compute_dtype
+    reports = compare(make, mesh, args.batch, model.seq_len, configs, compute)
+    if args.json:
+        print(json.dumps({"configs": reports}))
+        return 0
+    _print_table(args, model, build, reports)
+    if args.target != "cpu":
+        _print_schedule(reports)
+    return 0
+
+
+def _model(args):
+    """(The model's config, a function that builds it) for `args`."""
+    if args.seq is not None and args.seq < 1:
+        raise UsageError(f"--seq must be a positive number of tokens, got {args.seq}")
+    seq = {"seq_len": args.seq} if args.seq else {}
+    config_class, model_class = (GPTConfig, GPT) if args.arch == "gpt" else (LlamaConfig, Llama)
+    model = config_class.preset(args.model, **seq)
+
+    def build():
+        return model_class(model, nnx.Rngs(0))
+
+    return model, build
+
+
+def _print_table(args, model, build, reports: list[dict]) -> None:
+    base = reports[0]["cross_node_bytes"]
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(build), nnx.Param)))
+    print(
+        f"{args.arch} {args.model} ({params:,} parameters) on {args.target}, mesh "
+        f"{args.nodes} x {args.local}, batch {args.batch} x {model.seq_len}; per device per step:"
+    )
+    print(
+        f"{'config':10s}{'cross-node B':>16s}{'vs ' + reports[0]['name']:>10s}"
+        f"{'intra-node B':>16s}{'peak memory B':>17s}{'state B':>16s}"
+        + ("  overlapped / collectives" if args.target != "cpu" else "")
+    )
+    for r in reports:
+        ratio = base / r["cross_node_bytes"] if r["cross_node_bytes"] else float("inf")
+        line = (
+            f"{r['name']:10s}{r['cross_node_bytes']:16,.0f}{ratio:9.2f}x"
+            f"{r['intra_node_bytes']:16,.0f}{r['peak_memory_bytes']:17,}{r['state_bytes']:16,}"
+        )
+        if args.target != "cpu":
+            line += "  " + ", ".join(f"{k} {a}/{b}" for k, (a, b) in r["overlap"].items())
+        print(line)
+
+
+def _print_schedule(reports: list[dict]) -> None:
+    """A GPU target's schedule: XLA's estimate, what no schedule can hide,
+    and what each collective runs behind."""
+    print(
+        "XLA's estimate of the step (its scheduler's cost model, not a measurement): "
+        "step time, and communication time that no compute covers:"
+    )
+    for r in reports:
+        est = r["estimate"]
+        if est is None:
+            print(f"  {r['name']:10s}none: {r['estimate_withheld'] or 'no scheduler statistics'}")
+            continue
+        exposed = sum(est["exposed_us"].values())
+        kinds = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in est["exposed_us"].items() if v)
+        print(
+            f"  {r['name']:10s}step {est['step_us'] / 1e3:8.2f} ms   exposed "
+            f"{exposed / 1e3:7.2f} ms ({exposed / est['step_us']:.1%})"
+            + (f": {kinds}" if kinds else "")
+        )
+    print(
+        "runs per step that no schedule of the program can put behind a GEMM (every "
+        "GEMM of the program, or of their loop iteration, feeds them or needs them):"
+    )
+    for r in reports:
+        some = ", ".join(f"{k} {n}" for k, n in r["unhideable"].items() if n) or "none"
+        print(f"  {r['name']:10s}{some}")
+    for r in reports:
+        print(f"\n{r['name']}: each collective, runs per step, and what it runs behind")
+        for c in r["collectives"]:
+            print("  " + _collective_line(c))
+
+
+def _collective_line(c: dict) -> str:
+    where = "across nodes" if c["spans_nodes"] else "inside nodes"
+    if c["behind"]:
+        behind = f"{len(c['behind'])} GEMMs, first {_short_op(c['behind'][0])}"
+    else:
+        behind = "nothing (async, no GEMM before its done)" if c["async"] else "sync"
+    if not c["hideable"]:
+        behind += "; no GEMM is independent of it"
+    return (
+        f"{c['kind']:14s}{'/'.join(c['dtypes']):14s}{c['moved_bytes']:14,.0f} B "
+        f"x{c['runs']:<3d} {where:13s} behind: {behind}"
+    )
+
+
+def _short_op(op: str) -> str:
+    """The end of an HLO op name: what the model was doing (``.../dot_general``)."""
+    parts = [p for p in op.split("/") if p]
+    return "/".join(parts[-3:])

@@ -1,0 +1,112 @@
+"""A `shard`ed NNX model in use: its gradients (`value_and_grad`, `grad`,
+which carry the error-feedback residuals), its plain copy (`unshard`), and what
+a training step needs to know of its units."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zpp_jax.errors import UsageError
+from zpp_jax.overlap import prefetches
+from zpp_jax.overlap.loops import unroll_relayed_loops
+from zpp_jax.overlap.relay import relay_scope
+from zpp_jax.shard import FeedbackResidual
+from zpp_jax.unit import UnitInfo, unit_infos
+
+
+def has_stacked_units(model: nnx.Module) -> bool:
+    """Whether any unit of a model `shard` sharded is a stack of layers (run
+    by a layer loop, ``nnx.scan``) rather than one layer called once."""
+    return any(info.stacked for info in unit_infos(model))
+
+
+def unrolls_layer_loops(model: nnx.Module) -> bool:
+    """Whether a step of this sharded model unrolls its layer loops (see
+    `ZeroPPConfig.unroll_layer_loops`): some unit is a stack, on a mesh whose
+    units relay their collectives, configured to."""
+    return any(
+        info.stacked and info.config.unroll_layer_loops and prefetches(info.mesh)
+        for info in unit_infos(model)
+    )
+
+
+def unshard(model: nnx.Module) -> nnx.Module:
+    """A plain copy of a `shard`ed model: its own classes, every parameter
+    whole on every device (evaluation, generation, export), no
+    error-feedback residuals. The sharded model is left as it is.
+
+    Memory: the full model on every device.
+    """
+    graphdef, state = nnx.split(model)
+    plain = nnx.merge(graphdef, state)
+    mesh = None
+    for _, module in nnx.iter_modules(plain):
+        info = getattr(module, "_zpp", None)
+        if isinstance(info, UnitInfo):
+            mesh = info.mesh
+            module.__class__ = type(module)._zpp_base
+            del module._zpp
+            if hasattr(module, "_zpp_residual"):
+                del module._zpp_residual
+    if mesh is None:
+        raise UsageError("zpp.unshard takes a model made by zpp.shard")
+    replicated = NamedSharding(mesh, P())
+    for _, var in nnx.to_flat_state(nnx.state(plain, nnx.Param)):
+        var.set_value(jax.device_put(var.get_value(), replicated))
+    return plain
+
+
+def _with_feedback(argnums):
+    """The `wrt` of a gradient that also carries the error-feedback residuals."""
+    wrt = nnx.Any(nnx.Param, FeedbackResidual)
+    if isinstance(argnums, int):
+        return nnx.DiffState(argnums, wrt), (argnums,)
+    return tuple(nnx.DiffState(a, wrt) for a in argnums), tuple(argnums)
+
+
+def value_and_grad(f: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
+    """`nnx.value_and_grad` with respect to the parameters (`nnx.Param`) of
+    the modules at `argnums`, for `shard`ed models with or without error
+    feedback: each unit's new `FeedbackResidual` is written into its module,
+    and the gradients returned hold the parameters only (what
+    `nnx.Optimizer.update` takes). Without error feedback it is
+    ``nnx.value_and_grad(f, argnums=argnums)``."""
+    diff, positions = _with_feedback(argnums)
+    inner = nnx.value_and_grad(f, argnums=diff, has_aux=has_aux)
+    unrolled = nnx.value_and_grad(unroll_relayed_loops(f), argnums=diff, has_aux=has_aux)
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        with relay_scope():
+            value, grads = (unrolled if unrolls_layer_loops((args, kwargs)) else inner)(
+                *args, **kwargs
+            )
+        grads_t = (grads,) if isinstance(argnums, int) else tuple(grads)
+        out = []
+        for pos, g in zip(positions, grads_t, strict=True):
+            params, residuals = nnx.split_state(g, nnx.Param, FeedbackResidual)
+            if jax.tree.leaves(residuals):
+                nnx.update(args[pos], residuals)  # the next step's residuals
+            out.append(params)
+        return value, (out[0] if isinstance(argnums, int) else tuple(out))
+
+    return wrapper
+
+
+def grad(f: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
+    """`value_and_grad` without the value (nor the aux, which it returns
+    with the gradients as ``(grads, aux)`` when `has_aux`)."""
+    vg = value_and_grad(f, argnums, has_aux)
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        value, grads = vg(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return wrapper

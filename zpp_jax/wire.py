@@ -1,0 +1,128 @@
+"""How a sharded layer's weights travel: the wire format of its gathers.
+
+`WeightWire.encode` turns this device's primary shard into the one vector
+of bytes it sends: with qwZ its int8/int4 codes then its fp32 scales
+(`quant.pack`; each of the layout's segments quantized in blocks of its
+own, the short ones together), else the raw bits of `comm_dtype`.
+`WeightWire.decode` turns every device's bytes, stacked as rows, back into
+the full parameters in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as kernels
+from zpp_jax import collectives, quant
+from zpp_jax.config import ZeroPPConfig
+from zpp_jax.partition import Layout
+
+PyTree = Any
+
+
+class WeightWire:
+    """The wire format of one layer's weights (`layout`, `config`), decoded
+    to `compute_dtype` (None: each leaf's own dtype)."""
+
+    def __init__(self, layout: Layout, config: ZeroPPConfig, compute_dtype=None) -> None:
+        self.layout, self.config, self.compute_dtype = layout, config, compute_dtype
+
+    def encode(self, shard: jax.Array) -> jax.Array:
+        """This device's shard as it travels: one vector of bytes holding its
+        int8/int4 codes then its fp32 scales (`quant.pack` of `_quantized`),
+        or the raw bits of `comm_dtype`."""
+        if not self.config.quantize_weights:
+            return collectives.to_bits(shard.astype(self._wire_dtype))
+        return quant.pack(self._quantized(shard))
+
+    def _unpack_rows(self, rows):
+        """Gathered wire rows (N, bytes) -> `quant.QuantizedBlocks` rows."""
+        return quant.unpack(rows, self._wire_parts.codes, self._wire_parts.scales)
+
+    @functools.cached_property
+    def _wire_parts(self) -> quant.QuantizedBlocks:
+        """Shapes and dtypes of one device's quantized shard (traced once)."""
+        return jax.eval_shape(
+            self._quantized, jax.ShapeDtypeStruct((self.layout.shard_size,), jnp.float32)
+        )
+
+    def _quantized(self, shard):
+        """This device's shard quantized: int8/int4 codes and fp32 scales
+        (`quant.QuantizedBlocks`, each of the layout's segments quantized in
+        blocks of its own, codes and scales concatenated)."""
+        cfg = self.config
+        big, small, width = self._segment_groups()
+        codes, scales = [], []
+        for o, k in big:
+            q = kernels.quantize(shard[o : o + k], cfg.weight_bits, cfg.block_size)
+            codes.append(q.codes.reshape(-1))
+            scales.append(q.scales)
+        if small:
+            # The segments shorter than a block (biases, norm scales) are one
+            # block each: quantized together as the rows of one zero-padded
+            # matrix, one kernel instead of one per tensor. Their padding
+            # does not travel.
+            rows = jnp.stack([jnp.pad(shard[o : o + k], (0, width - k)) for o, k in small])
+            q = kernels.quantize(rows, cfg.weight_bits, width)
+            codes += [q.codes[i, 0, : self._code_bytes(k)] for i, (_, k) in enumerate(small)]
+            scales.append(q.scales.reshape(-1))
+        return quant.QuantizedBlocks(jnp.concatenate(codes), jnp.concatenate(scales))
+
+    def _segment_groups(self):
+        """The layout's segments split into those quantized one by one (a run
+        of whole blocks or a tensor longer than a block) and those shorter
+        than a block, quantized together as rows padded to `width`."""
+        cfg, segments = self.config, self.layout.segments
+        big = [(o, k) for o, k in segments if k >= cfg.block_size]
+        small = [(o, k) for o, k in segments if k < cfg.block_size]
+        width = max((k for _, k in small), default=0)
+        return big, small, quant.effective_block_size(width, cfg.block_size, cfg.weight_bits)
+
+    def _code_bytes(self, k: int) -> int:
+        """Bytes of codes of a segment of `k` elements, shorter than a block:
+        one block of its own length (even for int4, two codes per byte)."""
+        bits = self.config.weight_bits
+        return quant.effective_block_size(k, self.config.block_size, bits) * bits // 8
+
+    @property
+    def _wire_dtype(self):
+        return jnp.float32 if self.config.comm_dtype is None else jnp.dtype(self.config.comm_dtype)
+
+    def decode(self, rows: jax.Array) -> PyTree:
+        """Every device's wire, stacked as rows (N, ...) -> the full
+        parameters in `compute_dtype` (default: each leaf's own)."""
+        cfg, layout, n = self.config, self.layout, self.layout.num_shards
+        if not cfg.quantize_weights:
+            values = collectives.from_bits(rows, self._wire_dtype).astype(jnp.float32)
+            return layout.unflatten_rows(values, self.compute_dtype)
+        rows = self._unpack_rows(rows)
+        big, small, width = self._segment_groups()
+        by_offset, c0, s0 = {}, 0, 0
+        for o, k in big:
+            block = quant.effective_block_size(k, cfg.block_size, cfg.weight_bits)
+            nb, nbytes = quant.num_blocks(k, block), block * cfg.weight_bits // 8
+            q = quant.QuantizedBlocks(
+                rows.codes[:, c0 : c0 + nb * nbytes].reshape(n, nb, nbytes),
+                rows.scales[:, s0 : s0 + nb],
+            )
+            by_offset[o] = kernels.dequantize(q, cfg.weight_bits, k)
+            c0, s0 = c0 + nb * nbytes, s0 + nb
+        if small:
+            padded = []
+            for _, k in small:
+                nbytes = self._code_bytes(k)
+                piece = rows.codes[:, c0 : c0 + nbytes]
+                padded.append(jnp.pad(piece, ((0, 0), (0, self._code_bytes(width) - nbytes))))
+                c0 += nbytes
+            q = quant.QuantizedBlocks(
+                jnp.stack(padded, axis=1)[:, :, None],
+                rows.scales[:, s0 : s0 + len(small), None],
+            )
+            values = kernels.dequantize(q, cfg.weight_bits, width)
+            for i, (o, k) in enumerate(small):
+                by_offset[o] = values[:, i, :k]
+        return layout.from_segments([by_offset[o] for o, _ in layout.segments], self.compute_dtype)
