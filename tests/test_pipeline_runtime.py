@@ -122,7 +122,10 @@ def test_bad_input(reference):
     long = GPT(dataclasses.replace(CFG, seq_len=600), nnx.Rngs(0))
     with pytest.raises(ValueError, match="600 slices: .* at most 512 slices"):
         TokenPipeline(long, _stage_mesh(2), (1,) * 600)
-    with pytest.raises(ValueError, match=r"not Linear; .* decoder=\) a PipelineDecoder"):
+    with pytest.raises(
+        ValueError,
+        match=r"Linear does not say how it runs as a token pipeline: .* pipeline_decoder\(\)",
+    ):
         TokenPipeline(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), _stage_mesh(2), (16, 16))
 
 

@@ -198,8 +198,11 @@ def run_profile(args) -> int:
             f"({max(args.lengths)} + {max(args.contexts)} = {longest} tokens); a pipeline of "
             "that length never runs it: give a longer --seq, or shorter --lengths/--contexts"
         )
-    from zpp_jax.models.gpt import GPTConfig
-    from zpp_jax.models.llama import LlamaConfig
+    import dataclasses
+
+    from flax import nnx
+
+    from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
     from zpp_jax.pipeline.cost import save_cost
     from zpp_jax.pipeline.profile import profile_stage
 
@@ -212,13 +215,17 @@ def run_profile(args) -> int:
         dtype=args.dtype,
     )
     if args.arch == "llama":
-        cfg = LlamaConfig(**sizes, n_kv_heads=args.kv_heads or args.heads)
+        cfg, model_class = LlamaConfig(**sizes, n_kv_heads=args.kv_heads or args.heads), Llama
     elif args.kv_heads is not None:
         raise UsageError("--kv-heads sets the Llama's key/value heads: pass --arch llama with it")
     else:
-        cfg = GPTConfig(**sizes)
+        cfg, model_class = GPTConfig(**sizes), GPT
+
+    def make_model(layers: int):
+        return model_class(dataclasses.replace(cfg, n_layers=layers), nnx.Rngs(0))
+
     cost, _ = profile_stage(
-        cfg,
+        make_model,
         args.layers,
         args.lengths,
         args.contexts,

@@ -14,8 +14,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from zpp_jax.errors import UsageError, check_positive_ints
+from zpp_jax.pipeline.decoders import PipelineDecoder, attend, write_cache
 
 _PRESETS = {
     "tiny": dict(d_model=64, n_layers=2, n_heads=4, d_ff=256, seq_len=64),
@@ -139,3 +141,42 @@ class GPT(nnx.Module):
             return block(h)
 
         return self.head(run(self.embed(tokens), self.blocks))
+
+    def pipeline_decoder(self) -> GPTDecoder:
+        """How this model runs as a token pipeline (`zpp_jax.pipeline`)."""
+        return GPTDecoder(self.cfg)
+
+
+class GPTDecoder(PipelineDecoder):
+    """`zpp_jax.models.gpt.GPT`: learned positions, one fused qkv matmul."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg.n_layers, cfg.seq_len, cfg.d_model, cfg.dtype, cfg.d_model)
+        self.cfg = cfg
+
+    def parts(self, model):
+        return {"embed": model.embed, "blocks": model.blocks, "head": model.head}
+
+    def embed(self, parts, tokens, start):
+        emb, t = parts["embed"], tokens.shape[1]
+        positions = jnp.pad(emb.positions[...], ((0, t), (0, 0)))  # room past the sequence
+        pos = lax.dynamic_slice_in_dim(positions, start, t, axis=0)
+        return (emb.tokens(tokens) + pos.astype(emb.dtype)).astype(self.dtype)
+
+    def layer(self, blk, x, kv, start, keys):
+        b, t, d = x.shape
+        nh = blk.n_heads
+        q, k, v = jnp.split(blk.qkv(blk.ln1(x)), 3, axis=-1)
+        kv, ks, vs = write_cache(kv, k, v, start, keys)
+        att = attend(
+            q.reshape(b, t, nh, -1),
+            ks.reshape(b, keys, nh, -1),
+            vs.reshape(b, keys, nh, -1),
+            start,
+            keys,
+        ).reshape(b, t, d)
+        x = x + blk.proj(att).astype(x.dtype)
+        return x + blk.out(jax.nn.gelu(blk.fc(blk.ln2(x)))).astype(x.dtype), kv
+
+    def head(self, parts, x):
+        return parts["head"](x)

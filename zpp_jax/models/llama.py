@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zpp_jax.errors import UsageError, check_positive_ints
+from zpp_jax.pipeline.decoders import PipelineDecoder, attend, write_cache
 
 _PRESETS = {
     "tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, seq_len=64),
@@ -198,3 +199,47 @@ class Llama(nnx.Module):
             for layer in self.layers:
                 x = layer(x, positions, mask)
         return self.lm_head(self.norm(x)).astype(jnp.float32)
+
+    def pipeline_decoder(self) -> LlamaDecoder:
+        """How this model runs as a token pipeline (`zpp_jax.pipeline`)."""
+        return LlamaDecoder(self.cfg)
+
+
+class LlamaDecoder(PipelineDecoder):
+    """`zpp_jax.models.llama.Llama`: rotary positions at the slice's offset,
+    grouped key/value heads (the cache holds only the n_kv_heads)."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(
+            cfg.n_layers, cfg.seq_len, cfg.d_model, cfg.dtype, cfg.n_kv_heads * cfg.head_dim
+        )
+        self.cfg = cfg
+
+    def parts(self, model):
+        return {
+            "embed": model.embed,
+            "blocks": model.layers,
+            "norm": model.norm,
+            "lm_head": model.lm_head,
+        }
+
+    def embed(self, parts, tokens, start):
+        return parts["embed"](tokens).astype(self.dtype)
+
+    def layer(self, blk, x, kv, start, keys):
+        b, t, _ = x.shape
+        cfg, attn = self.cfg, blk.attn
+        hd, group = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
+        positions = jnp.broadcast_to(start + jnp.arange(t), (b, t))
+        h = blk.attn_norm(x)
+        q = rotary(attn.q(h).reshape(b, t, cfg.n_heads, hd), positions, cfg.rope_theta)
+        k = rotary(attn.k(h).reshape(b, t, cfg.n_kv_heads, hd), positions, cfg.rope_theta)
+        kv, ks, vs = write_cache(kv, k.reshape(b, t, -1), attn.v(h), start, keys)
+        ks = jnp.repeat(ks.reshape(b, keys, cfg.n_kv_heads, hd), group, axis=2)
+        vs = jnp.repeat(vs.reshape(b, keys, cfg.n_kv_heads, hd), group, axis=2)
+        att = attend(q, ks, vs, start, keys).reshape(b, t, -1)
+        x = x + attn.o(att)
+        return x + blk.mlp(blk.mlp_norm(x)), kv
+
+    def head(self, parts, x):
+        return parts["lm_head"](parts["norm"](x)).astype(jnp.float32)

@@ -14,10 +14,11 @@ slices before it. A `PipelineDecoder` says how one model family does that:
   writing its cache;
 * `head(parts, x)`: fp32 logits.
 
-`decoder_for(model)` gives the built-in one for `zpp_jax.models`' `GPT` and
-`Llama`. The math of each equals the model's own forward pass: the
-pipelined loss and gradients match the unpipelined model's to fp32
-round-off.
+A model provides its own (``model.pipeline_decoder()``, as
+`zpp_jax.models`' `GPT` and `Llama` do; `decoder_for` asks it), built from
+`attend` and `write_cache`. The math of each must equal the model's own
+forward pass: the pipelined loss and gradients then match the unpipelined
+model's to fp32 round-off.
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ from flax import nnx
 from jax import lax
 
 from zpp_jax.errors import UsageError
-from zpp_jax.models.gpt import GPT
-from zpp_jax.models.llama import Llama, rotary
 
 
 class PipelineDecoder:
@@ -47,6 +46,10 @@ class PipelineDecoder:
     d_model: int
     dtype: Any
     kv_width: int
+
+    def __init__(self, n_layers: int, seq_len: int, d_model: int, dtype, kv_width: int) -> None:
+        self.n_layers, self.seq_len, self.d_model = n_layers, seq_len, d_model
+        self.dtype, self.kv_width = jnp.dtype(dtype), kv_width
 
     def parts(self, model: nnx.Module) -> dict[str, Any]:
         raise NotImplementedError
@@ -70,15 +73,16 @@ class PipelineDecoder:
 
 
 def decoder_for(model: nnx.Module) -> PipelineDecoder:
-    """The built-in `PipelineDecoder` of a `GPT` or a `Llama`."""
-    if isinstance(model, GPT):
-        return _GPTDecoder(model.cfg)
-    if isinstance(model, Llama):
-        return _LlamaDecoder(model.cfg)
-    raise UsageError(
-        f"the token pipeline runs zpp_jax.models' GPT and Llama, not {type(model).__name__}; "
-        "for another decoder pass TokenPipeline(..., decoder=) a PipelineDecoder of it"
-    )
+    """The `PipelineDecoder` a model provides (its ``pipeline_decoder()``
+    method, as `zpp_jax.models`' `GPT` and `Llama` have)."""
+    provide = getattr(model, "pipeline_decoder", None)
+    if not callable(provide):
+        raise UsageError(
+            f"{type(model).__name__} does not say how it runs as a token pipeline: give it a "
+            "pipeline_decoder() method that returns its PipelineDecoder, or pass "
+            "TokenPipeline(..., decoder=)"
+        )
+    return provide()
 
 
 def split_part(part) -> tuple:
@@ -97,7 +101,7 @@ def split_part(part) -> tuple:
     return graphdef, jax.tree.map(lambda *a: jnp.stack(a), *(s[1] for s in splits)), rest
 
 
-def _attend(q, keys, vals, start, n_keys):
+def attend(q, keys, vals, start, n_keys):
     """Causal attention of q (b, t, h, hd) at positions start.. over the
     first `n_keys` cached positions; keys/vals (b, n_keys, h, hd)."""
     t, hd = q.shape[1], q.shape[-1]
@@ -108,92 +112,9 @@ def _attend(q, keys, vals, start, n_keys):
     return jnp.einsum("bhqk,bkhd->bqhd", probs, vals)
 
 
-def _write(kv, k, v, start, keys):
+def write_cache(kv, k, v, start, keys):
     """Write a slice's keys and values (b, t, width) at `start`; return the
     cache and its first `keys` positions of keys and of values."""
     kv = kv.at[0].set(lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv.dtype), start, axis=1))
     kv = kv.at[1].set(lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv.dtype), start, axis=1))
     return kv, kv[0, :, :keys].astype(k.dtype), kv[1, :, :keys].astype(v.dtype)
-
-
-class _ModelsDecoder(PipelineDecoder):
-    """A family of `zpp_jax.models`, its sizes read from its config."""
-
-    def __init__(self, cfg) -> None:
-        self.cfg = cfg
-        self.n_layers, self.seq_len, self.d_model = cfg.n_layers, cfg.seq_len, cfg.d_model
-        self.dtype = jnp.dtype(cfg.dtype)
-        self.kv_width = self._kv_width(cfg)
-
-
-class _GPTDecoder(_ModelsDecoder):
-    """`zpp_jax.models.gpt.GPT`: learned positions, one fused qkv matmul."""
-
-    @staticmethod
-    def _kv_width(cfg) -> int:
-        return cfg.d_model
-
-    def parts(self, model):
-        return {"embed": model.embed, "blocks": model.blocks, "head": model.head}
-
-    def embed(self, parts, tokens, start):
-        emb, t = parts["embed"], tokens.shape[1]
-        positions = jnp.pad(emb.positions[...], ((0, t), (0, 0)))  # room past the sequence
-        pos = lax.dynamic_slice_in_dim(positions, start, t, axis=0)
-        return (emb.tokens(tokens) + pos.astype(emb.dtype)).astype(self.dtype)
-
-    def layer(self, blk, x, kv, start, keys):
-        b, t, d = x.shape
-        nh = blk.n_heads
-        q, k, v = jnp.split(blk.qkv(blk.ln1(x)), 3, axis=-1)
-        kv, ks, vs = _write(kv, k, v, start, keys)
-        att = _attend(
-            q.reshape(b, t, nh, -1),
-            ks.reshape(b, keys, nh, -1),
-            vs.reshape(b, keys, nh, -1),
-            start,
-            keys,
-        ).reshape(b, t, d)
-        x = x + blk.proj(att).astype(x.dtype)
-        return x + blk.out(jax.nn.gelu(blk.fc(blk.ln2(x)))).astype(x.dtype), kv
-
-    def head(self, parts, x):
-        return parts["head"](x)
-
-
-class _LlamaDecoder(_ModelsDecoder):
-    """`zpp_jax.models.llama.Llama`: rotary positions at the slice's offset,
-    grouped key/value heads (the cache holds only the n_kv_heads)."""
-
-    @staticmethod
-    def _kv_width(cfg) -> int:
-        return cfg.n_kv_heads * cfg.head_dim
-
-    def parts(self, model):
-        return {
-            "embed": model.embed,
-            "blocks": model.layers,
-            "norm": model.norm,
-            "lm_head": model.lm_head,
-        }
-
-    def embed(self, parts, tokens, start):
-        return parts["embed"](tokens).astype(self.dtype)
-
-    def layer(self, blk, x, kv, start, keys):
-        b, t, _ = x.shape
-        cfg, attn = self.cfg, blk.attn
-        hd, group = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
-        positions = jnp.broadcast_to(start + jnp.arange(t), (b, t))
-        h = blk.attn_norm(x)
-        q = rotary(attn.q(h).reshape(b, t, cfg.n_heads, hd), positions, cfg.rope_theta)
-        k = rotary(attn.k(h).reshape(b, t, cfg.n_kv_heads, hd), positions, cfg.rope_theta)
-        kv, ks, vs = _write(kv, k.reshape(b, t, -1), attn.v(h), start, keys)
-        ks = jnp.repeat(ks.reshape(b, keys, cfg.n_kv_heads, hd), group, axis=2)
-        vs = jnp.repeat(vs.reshape(b, keys, cfg.n_kv_heads, hd), group, axis=2)
-        att = _attend(q, ks, vs, start, keys).reshape(b, t, -1)
-        x = x + attn.o(att)
-        return x + blk.mlp(blk.mlp_norm(x)), kv
-
-    def head(self, parts, x):
-        return parts["lm_head"](parts["norm"](x)).astype(jnp.float32)

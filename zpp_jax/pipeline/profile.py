@@ -2,9 +2,10 @@
 
 For each (slice length l, context c) of a grid, `profile_stage` times the
 forward and backward pass of what one `TokenPipeline` stage runs in one step:
-`layers` decoder layers (GPT or Llama) over a slice of l tokens attending to c cached tokens
-plus itself, then the LM head and loss (the runtime runs the head on every
-stage; the embedding is negligible). It fits the model: the measured
+`layers` decoder layers (of any model with a `PipelineDecoder`) over a slice
+of l tokens attending to c cached tokens plus itself, then the LM head and
+loss (the runtime runs the head on every stage; the embedding is
+negligible). It fits the model: the measured
 no-context time per length, plus the extra time of context as one
 least-squares slope per length (and TeraPipe's fit on [b*c, b*l*c], kept for
 reference), and returns a `FittedCost` the planner reads.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,15 +30,13 @@ import numpy as np
 from flax import nnx
 
 from zpp_jax.errors import UsageError
-from zpp_jax.models.gpt import GPT, GPTConfig
-from zpp_jax.models.llama import Llama, LlamaConfig
 from zpp_jax.pipeline.cost import FittedCost
 from zpp_jax.pipeline.decoders import decoder_for, split_part
 from zpp_jax.pipeline.planner import latency
 
 
 def stage_step_fn(
-    cfg: GPTConfig | LlamaConfig,
+    make_model: Callable[[int], nnx.Module],
     layers: int,
     batch: int,
     length: int,
@@ -45,10 +45,11 @@ def stage_step_fn(
 ):
     """A jitted fwd+bwd of one stage step and its inputs: ``f(*args)``.
 
-    `cache_len` is the key/value cache the step updates (the runtime's is
-    the sequence plus the longest slice; default: just the keys it reads)."""
-    model_class = GPT if isinstance(cfg, GPTConfig) else Llama
-    model = model_class(dataclasses.replace(cfg, n_layers=layers), nnx.Rngs(0))
+    `make_model(layers)` builds the decoder with that many layers (its
+    `PipelineDecoder` says how a stage runs it). `cache_len` is the
+    key/value cache the step updates (the runtime's is the sequence plus the
+    longest slice; default: just the keys it reads)."""
+    model = make_model(layers)
     dec = decoder_for(model)
     parts = dec.parts(model)
     block_def, block_params, block_rest = split_part(parts.pop("blocks"))
@@ -83,7 +84,7 @@ def time_call(fn, args, repeats: int = 5) -> float:
 
 
 def profile_stage(
-    cfg: GPTConfig | LlamaConfig,
+    make_model: Callable[[int], nnx.Module],
     layers: int,
     lengths: list[int],
     contexts: list[int],
@@ -101,7 +102,7 @@ def profile_stage(
     for length in sorted(set(lengths)):
         for context in sorted({0, *contexts}):
             cache_len = None if seq_len is None else seq_len + length
-            fn, args = stage_step_fn(cfg, layers, batch, length, context, cache_len)
+            fn, args = stage_step_fn(make_model, layers, batch, length, context, cache_len)
             t = time_call(fn, args, repeats)
             rows.append({"length": length, "context": context, "seconds": t})
             if log:
