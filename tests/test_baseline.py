@@ -32,7 +32,8 @@ def test_a_step_equals_the_unsharded_step(mesh24):
     tx = optax.sgd(0.5, momentum=0.9)
     baseline = JitFSDP(GPT(CFG, nnx.Rngs(0)), tx, mesh24)
     state = baseline.init()
-    params, opt_state, rest = state
+    params, opt_state, rest, step = state
+    assert JitFSDP.steps_done(state) == 0
     wte = params["embed"]["tokens"]["embedding"]
     assert wte.get_value().sharding.spec == P(("node", "local"), None)
 
@@ -57,6 +58,11 @@ def test_a_step_equals_the_unsharded_step(mesh24):
         np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), rtol=1e-6)
     for got, want in zip(jax.tree.leaves(state[0]), jax.tree.leaves(ref_params), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert JitFSDP.steps_done(state) == 2
+    # The eval step is the loss of the current parameters, as the reference's.
+    batch = jax.device_put(_batch(2), baseline.batch_sharding())
+    want = next_token_loss(nnx.merge(graphdef, ref_params, ref_rest), _batch(2))
+    np.testing.assert_allclose(float(baseline.eval_step(state, batch)), float(want), rtol=1e-5)
 
 
 def test_mixed_precision_casts_the_weights_and_keeps_fp32_parameters(mesh24):

@@ -26,7 +26,8 @@ from jax.sharding import PartitionSpec as P
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, batch_sharding, mesh_shape
 from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links, xla_flags
-from zpp_jax.train import LossFn, compile_for_batch, next_token_loss
+from zpp_jax.program import compile_for_batch
+from zpp_jax.train import LossFn, next_token_loss
 
 
 def fsdp_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
@@ -44,10 +45,13 @@ class JitFSDP:
     """``model`` trained by ``optimizer`` under plain `jax.jit`, its state
     sharded by `fsdp_sharding`.
 
-    The state is ``(params, opt_state, rest)``: the model's `nnx.Param`s, the
-    optimizer's state and the model's other variables (replicated, not
-    trained). ``train_step(state, batch) -> (state, {"loss": ...})`` takes
-    the mean `loss_fn` over the global batch; with `compute_dtype`, the
+    A `zpp_jax.program.TrainingProgram`. The state is ``(params, opt_state,
+    rest, step)``: the model's `nnx.Param`s, the optimizer's state, the
+    model's other variables (replicated, not trained) and the updates
+    applied. ``train_step(state, batch) -> (state, {"loss": ...})`` takes
+    the mean `loss_fn` over the global batch (no clipping and no skip
+    check: the step a user of plain `jax.jit` writes); `eval_step` its
+    loss alone; with `compute_dtype`, the
     floating parameters are cast to it before the model runs (mixed
     precision: the partitioner then gathers them in that dtype), the
     update applied to the fp32 parameters. `model` may be abstract
@@ -83,14 +87,16 @@ class JitFSDP:
         def shard(a):
             return fsdp_sharding(mesh, jnp.shape(a))
 
+        replicated = NamedSharding(mesh, P())
         self._shardings = (
             jax.tree.map(shard, params),
             jax.tree.map(shard, opt_state),
-            jax.tree.map(lambda a: NamedSharding(mesh, P()), rest),
+            jax.tree.map(lambda a: replicated, rest),
+            replicated,
         )
         self._abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype, sharding=s),
-            (params, opt_state, rest),
+            (params, opt_state, rest, jax.ShapeDtypeStruct((), jnp.int32)),
             self._shardings,
         )
         if not self.abstract:
@@ -104,6 +110,12 @@ class JitFSDP:
             donate_argnums=0,
             compiler_options=self.compiler_options or None,
         )
+        self.eval_step = jax.jit(
+            self._eval_step,
+            in_shardings=(self._shardings, batch_sharding(mesh)),
+            out_shardings=NamedSharding(mesh, P()),
+            compiler_options=self.compiler_options or None,
+        )
 
     def init(self) -> tuple:
         """The sharded state at step 0 (a concrete model only)."""
@@ -113,14 +125,25 @@ class JitFSDP:
                 "step with compile_step(batch), or build the model itself to train it"
             )
         params, rest = self._values
-        params_sh, opt_sh, rest_sh = self._shardings
+        params_sh, opt_sh, rest_sh, step_sh = self._shardings
         params = jax.device_put(params, params_sh)
         opt_state = jax.jit(self._optimizer.init, out_shardings=opt_sh)(params)
-        return params, opt_state, jax.device_put(rest, rest_sh)
+        step = jax.device_put(jnp.zeros((), jnp.int32), step_sh)
+        return params, opt_state, jax.device_put(rest, rest_sh), step
 
     def batch_sharding(self) -> NamedSharding:
         """Sharding for batch arrays: the leading (batch) axis over every device."""
         return batch_sharding(self.mesh)
+
+    def check_batch_size(self, b: int) -> None:
+        """Raise UsageError unless a global batch of `b` splits over the devices."""
+        if b % self.mesh.size:
+            raise UsageError(f"global batch {b} must be a multiple of the {self.mesh.size} devices")
+
+    @staticmethod
+    def steps_done(state: tuple) -> int:
+        """Optimizer updates applied so far."""
+        return int(state[3])
 
     def abstract_state(self) -> tuple:
         """Shapes, dtypes and shardings of the state."""
@@ -133,17 +156,21 @@ class JitFSDP:
         (as `zpp.Trainer.compile_step`)."""
         return compile_for_batch(self, batch, compiler_options)
 
+    def _loss(self, params, rest, batch: dict) -> jax.Array:
+        if self.compute_dtype is not None:
+            params = jax.tree.map(self._cast, params)
+        return self._loss_fn(nnx.merge(self._graphdef, params, rest), batch)
+
     def _train_step(self, state: tuple, batch: dict) -> tuple[tuple, dict[str, Any]]:
-        params, opt_state, rest = state
-
-        def loss(params):
-            if self.compute_dtype is not None:
-                params = jax.tree.map(self._cast, params)
-            return self._loss_fn(nnx.merge(self._graphdef, params, rest), batch)
-
-        value, grads = jax.value_and_grad(loss)(params)
+        params, opt_state, rest, step = state
+        value, grads = jax.value_and_grad(self._loss)(params, rest, batch)
         updates, opt_state = self._optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state, rest), {"loss": value}
+        new = (optax.apply_updates(params, updates), opt_state, rest, step + 1)
+        return new, {"loss": value}
+
+    def _eval_step(self, state: tuple, batch: dict) -> jax.Array:
+        params, _, rest, _ = state
+        return self._loss(params, rest, batch)
 
     def _cast(self, x: jax.Array) -> jax.Array:
         return x.astype(self.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x

@@ -30,12 +30,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zpp_jax.analysis.links import compile_with_links
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError, check_positive_finite
 from zpp_jax.mesh import AXES, batch_sharding, mesh_shape, on_mesh
 from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links, xla_flags
 from zpp_jax.overlap.relay import relay_scope
+from zpp_jax.program import compile_for_batch, finish_step
 from zpp_jax.shard import Policy, shard
 from zpp_jax.sharded import has_stacked_units, unrolls_layer_loops, value_and_grad
 from zpp_jax.unit import expect_units
@@ -52,22 +52,6 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def next_token_loss(model: nnx.Module, batch: dict) -> jax.Array:
     """The default loss: ``cross_entropy(model(batch["inputs"]), batch["targets"])``."""
     return cross_entropy(model(batch["inputs"]), batch["targets"])
-
-
-def compile_for_batch(trainer, batch: dict, compiler_options: dict | None = None):
-    """``trainer.train_step`` compiled, not run, for its abstract state and
-    a batch of `batch`'s shapes and dtypes laid out as its batch sharding,
-    with `compiler_options` (default: ``trainer.compiler_options``); on a
-    GPU mesh with ``trainer.links``, scheduled with the collectives' costs
-    on those links (`zpp_jax.analysis.compile_with_links`: two compiles).
-    `trainer`: a `Trainer` or anything with its `train_step`,
-    `abstract_state`, `batch_sharding`, `compiler_options` and `links`
-    (`zpp_jax.JitFSDP`)."""
-    sharding = trainer.batch_sharding()
-    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), batch)
-    options = trainer.compiler_options if compiler_options is None else compiler_options
-    lowered = trainer.train_step.lower(trainer.abstract_state(), batch)
-    return compile_with_links(lowered, options, mesh_shape(sharding.mesh)[1], trainer.links)
 
 
 class Trainer:
@@ -214,22 +198,24 @@ class Trainer:
             else:
                 loss, grads = self._accumulate(model, batch)
         grad_norm = jnp.sqrt(_squared_norm(grads, self._param_specs, self.mesh))
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        if self.max_grad_norm is not None:
-            grads = clip_to_norm(grads, grad_norm, self.max_grad_norm)
-        optimizer.update(model, grads)
-        new = nnx.state((model, optimizer))
+
+        def update(grads):
+            optimizer.update(model, grads)
+            return nnx.state((model, optimizer))
+
         # The update is checked too (a NaN learning rate, an optimizer
-        # overflow): the step is kept only if every float array of the new
-        # state is finite on every device, one more scalar all-reduce. The
-        # old state stays alive for the select, so the optimizer's outputs
-        # take new buffers (the state's size, after the backward pass has
-        # freed its activations). A skipped step returns the state it was
-        # given, error-feedback residuals included.
-        ok &= _all_finite(new, self._state_specs, self.mesh)
-        new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
-        return new, metrics
+        # overflow): every float array of the new state must be finite on
+        # every device, one more scalar all-reduce. A skipped step returns
+        # the state it was given, error-feedback residuals included.
+        return finish_step(
+            state,
+            loss,
+            grads,
+            grad_norm,
+            self.max_grad_norm,
+            update,
+            lambda new: _all_finite(new, self._state_specs, self.mesh),
+        )
 
     def _accumulate(self, model: nnx.Module, batch: dict):
         """Loss and gradients averaged over `grad_accum` micro-batches, each
@@ -362,12 +348,3 @@ def _all_finite(tree: PyTree, specs: PyTree, mesh: Mesh) -> jax.Array:
 
 def _spec_leaves(specs: PyTree) -> list[P]:
     return jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-
-
-def clip_to_norm(grads: PyTree, norm: jax.Array, max_norm: float) -> PyTree:
-    """`grads` scaled to global norm `max_norm` when `norm` exceeds it: what
-    ``optax.clip_by_global_norm`` computes, to rounding (one multiply by a
-    scalar, which XLA fuses into the optimizer's update of each leaf, where
-    optax's per-element divide is a pass of its own)."""
-    factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
-    return jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)

@@ -39,8 +39,8 @@ def step_report(trainer, batch: dict) -> dict:
     "estimate_withheld", for a program with a loop: the scheduler's
     statistics count a loop's body once, not once per iteration. The
     trainer may be abstract (built on an ``nnx.eval_shape`` model, for a
-    compile-only mesh); anything with the same `mesh`, `compiler_options`,
-    `compile_step` and `abstract_state` will do (`zpp_jax.JitFSDP`)."""
+    compile-only mesh); any `zpp_jax.program.TrainingProgram` will do (`zpp_jax.JitFSDP`,
+    `zpp_jax.pipeline.PipelineTrainer`)."""
     estimate = None
     if schedules_overlap(trainer.mesh):
         with tempfile.TemporaryDirectory() as dump:

@@ -9,8 +9,8 @@ for a (`stage`, `node`, `local`) mesh through a `TokenPipeline` and compiles
   Inf leaves the state as it was and reports ``skipped = 1``;
 * ``eval_step(state, batch) -> loss``, the forward schedule alone.
 
-It has `Trainer`'s interface (`init`, `abstract_state`, `batch_sharding`,
-`check_batch_size`, `steps_done`), so `zpp train` runs either. The state is
+It is a `zpp_jax.program.TrainingProgram`, as `Trainer` is, so `zpp train`
+runs either; its step ends as `Trainer`'s does (`finish_step`). The state is
 a dict of sharded arrays: ``params`` (the pipeline layout, see
 `TokenPipeline.params`), ``opt_state`` (the optimizer's, on the same
 layout), ``step`` (updates applied) and, with error feedback,
@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError, check_positive_finite
 from zpp_jax.pipeline.runtime import TokenPipeline
-from zpp_jax.train import clip_to_norm
+from zpp_jax.program import compile_for_batch, finish_step
 
 State = dict[str, Any]
 
@@ -62,7 +62,13 @@ class PipelineTrainer:
         config: ZeroPPConfig | None = None,
         *,
         max_grad_norm: float | None = None,
+        grad_accum: int = 1,
     ) -> None:
+        if grad_accum != 1:
+            raise UsageError(
+                f"grad_accum={grad_accum!r}: the token pipeline splits each sequence into token "
+                "slices, not the batch into micro-batches; use grad_accum=1, or the Trainer"
+            )
         if max_grad_norm is not None:
             check_positive_finite("max_grad_norm", max_grad_norm, "number or None (no clipping)")
         self.max_grad_norm = max_grad_norm
@@ -83,6 +89,11 @@ class PipelineTrainer:
         }
         if self.pipe.error_feedback:
             self._state["residuals"] = self.pipe.init_residuals()
+        # The pipeline's steps compile with XLA's defaults; on a GPU its
+        # schedule is XLA's own (no link model).
+        self.compiler_options: dict = {}
+        self.links = None
+        self.grad_accum = grad_accum
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
         self.eval_step = jax.jit(self._eval_step)
 
@@ -120,6 +131,11 @@ class PipelineTrainer:
                 "devices of a stage (node x local)"
             )
 
+    def compile_step(self, batch: dict, compiler_options: dict | None = None):
+        """`train_step` compiled (not run) for a batch of `batch`'s shapes
+        and dtypes, with `compiler_options` (default: none)."""
+        return compile_for_batch(self, batch, compiler_options)
+
     def unstacked_params(self, state: State) -> dict:
         """The parameters in the model's own layout (`blocks` as (L, ...))."""
         return self.pipe.unstack(state["params"])
@@ -130,27 +146,36 @@ class PipelineTrainer:
         self.check_batch_size(batch["inputs"].shape[0])
         params = state["params"]
         residuals = state.get("residuals")
-        loss, grads, residuals = self.pipe._value_grad_residuals(
+        loss, grads, residuals = self.pipe.value_grad_residuals(
             params, residuals, batch["inputs"], batch["targets"]
         )
-        grad_norm = optax.tree.norm(grads)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        if self.max_grad_norm is not None:
-            grads = clip_to_norm(grads, grad_norm, self.max_grad_norm)
-        updates, opt_state = self.optimizer.update(grads, state["opt_state"], params)
-        new = {
-            "params": optax.apply_updates(params, updates),
-            "opt_state": opt_state,
-            "step": state["step"] + 1,
-        }
-        if residuals is not None:
-            new["residuals"] = residuals
-        floats = [x for x in jax.tree.leaves(new) if jnp.issubdtype(x.dtype, jnp.inexact)]
-        ok &= jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in floats]))
-        new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
-        return new, metrics
+
+        def update(grads):
+            updates, opt_state = self.optimizer.update(grads, state["opt_state"], params)
+            new = {
+                "params": optax.apply_updates(params, updates),
+                "opt_state": opt_state,
+                "step": state["step"] + 1,
+            }
+            if residuals is not None:
+                new["residuals"] = residuals
+            return new
+
+        return finish_step(
+            state,
+            loss,
+            grads,
+            optax.tree.norm(grads),
+            self.max_grad_norm,
+            update,
+            _all_finite,
+        )
 
     def _eval_step(self, state: State, batch: dict) -> jax.Array:
         self.check_batch_size(batch["inputs"].shape[0])
-        return self.pipe._loss(state["params"], batch["inputs"], batch["targets"])
+        return self.pipe.loss(state["params"], batch["inputs"], batch["targets"])
+
+
+def _all_finite(state: State) -> jax.Array:
+    floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in floats]))
