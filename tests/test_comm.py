@@ -85,6 +85,13 @@ def test_zeropp_matches_the_analytic_count(mesh):
     assert _in_loop(r, layers, False) == layers * intra
     kinds = {(c["kind"], c["spans_nodes"]) for c in r["collectives"]}
     assert ("all-gather", False) in kinds and ("collective-permute", True) in kinds
+    # The layers' collectives are named by the region of the layer they run in.
+    regions = {c["kind"]: c["region"] for c in r["collectives"] if c["runs"] == layers}
+    assert regions == {
+        "all-gather": "gather",
+        "all-to-all": "reduce",
+        "collective-permute": "reduce",
+    }
 
 
 @pytest.mark.slow  # compiles five configurations' steps

@@ -88,6 +88,7 @@ def step_report(trainer, batch: dict) -> dict:
                 "async": c.name in behind and behind[c.name].is_async,
                 "behind": list(behind[c.name].behind) if c.name in behind else [],
                 "op": behind[c.name].op if c.name in behind else "",
+                "region": region(behind[c.name].op if c.name in behind else ""),
                 "hideable": c.name not in behind or behind[c.name].hideable,
             }
             for c in summary.collectives
@@ -112,3 +113,17 @@ def state_bytes_per_device(state) -> int:
             key = shard.device.id
             per_device[key] = per_device.get(key, 0) + shard.data.nbytes
     return max(per_device.values(), default=0)
+
+
+# The regions a sharded layer names (`jax.named_scope` in `zpp_jax.layer`).
+_REGIONS = ("gather", "quantize", "reduce")
+
+
+def region(op: str) -> str:
+    """The engine's region an op name lies in: "gather" (a unit's weight
+    gather), "reduce" (its gradient reduction), "quantize", or "" (anything
+    else: the model's own code, the optimizer, XLA's gathers of parameters
+    used outside a unit)."""
+    parts = op.split("/")
+    found = [r for r in _REGIONS if f"zpp_{r}" in parts]
+    return found[-1] if found else ""
