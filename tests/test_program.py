@@ -21,7 +21,7 @@ def _pipeline(**kwargs):
         GPT(CFG, nnx.Rngs(0)),
         optax.adamw(1e-3),
         make_pipeline_mesh(2, 2, 2),
-        (8, 8, 8, 8),
+        (16, 16),
         ZeroPPConfig(),
         **kwargs,
     )

@@ -16,7 +16,16 @@ from zpp_jax._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("analysis", "collectives", "distributed", "errors", "pipeline", "quant")
+_SUBMODULES = (
+    "analysis",
+    "collectives",
+    "distributed",
+    "errors",
+    "overlap",
+    "pipeline",
+    "quant",
+    "recipes",
+)
 _EXPORTS = {
     "target_mesh": "zpp_jax.analysis",
     "JitFSDP": "zpp_jax.baseline",

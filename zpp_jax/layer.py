@@ -313,8 +313,7 @@ def _build(layer: ShardedLayer):
             vjp = residuals.pullback(kept, params)
         g_params, g_x = vjp(g)
         shard_grad, new_residual, node_step = layer._reduce(g_params, residual)
-        started_after = kept if first and relay.floats(kept) else g
-        g_x, g_token = order.released(g_x, shard_grad, node_step, g_token, started_after)
+        g_x, g_token = order.released(g_x, shard_grad, node_step, g_token, first, kept, g)
         return shard_grad, new_residual, g_x, g_token
 
     apply.defvjp(fwd, bwd, symbolic_zeros=True)

@@ -288,9 +288,7 @@ def shard(
     """
     config = ZeroPPConfig.check(config)
     check_outputs(outputs)
-    _check_model(model, config)
-    nodes, local = mesh_shape(mesh)
-    n = nodes * local
+    n = _check_model(model, mesh, config)
     units = _select(model, policy)
     unit_paths = set(units)
     for path in units:
@@ -302,14 +300,16 @@ def shard(
     return on_mesh(model, mesh)
 
 
-def _check_model(model, config: ZeroPPConfig) -> None:
-    """Raise UsageError unless `model` is an NNX module not yet sharded,
-    with floating-point parameters that `config`'s blocks fit."""
+def _check_model(model, mesh: Mesh, config: ZeroPPConfig) -> int:
+    """The devices of `mesh`; raises UsageError unless `model` is an NNX
+    module not yet sharded, with floating-point parameters that `config`'s
+    blocks fit, and `mesh` a (`node`, `local`) mesh."""
     if not isinstance(model, nnx.Module):
         raise UsageError(
             f"zpp.shard takes a Flax NNX module, got {type(model).__name__}; for Linen use "
             "zpp.shard_linen"
         )
+    nodes, local = mesh_shape(mesh)
     floats = quant_float_dtypes()
     for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         dtype = jnp.result_type(value.get_value())
@@ -327,6 +327,7 @@ def _check_model(model, config: ZeroPPConfig) -> None:
             "this model is already sharded (zpp.shard ran on it): use it as it is, or shard "
             "zpp.unshard(model) for another mesh or config"
         )
+    return nodes * local
 
 
 def _place_outside_units(model, mesh: Mesh, config: ZeroPPConfig, unit_paths: set) -> None:

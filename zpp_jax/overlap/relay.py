@@ -139,7 +139,7 @@ class LayerOrder:
         saved, g = lax.optimization_barrier((saved, g))
         return after(saved, g), g
 
-    def released(self, g_x, shard_grad, node_step, g_token, started_after):
+    def released(self, g_x, shard_grad, node_step, g_token, first: bool, kept, g):
         """(The input cotangent, the token's cotangent) a relayed layer
         returns once its gradient is reduced; `g_x` as it is otherwise.
 
@@ -154,10 +154,10 @@ class LayerOrder:
         layer's own weight gradient, so that its reduction could start
         earlier, cost memory with error feedback and overlap without it.)
 
-        [0] lets the layer before re-gather its weights once
-        `started_after` exists: its cotangent, or, for the first layer of
-        the backward pass, its own saved activations, so that the re-gather
-        can run behind the loss and this layer's backward pass. That also
+        [0] lets the layer before re-gather its weights once this layer's
+        cotangent `g` has arrived, or, for the `first` layer of the backward
+        pass, once its own saved activations `kept` exist, so that the
+        re-gather can run behind the loss and this layer's backward pass. That also
         puts the re-gather and the compute after it where the scheduler,
         which orders by the collective latency above each instruction, runs
         this layer's reduction behind them."""
@@ -169,7 +169,8 @@ class LayerOrder:
             wait, hand_on = done, ZERO
         else:
             wait, hand_on = after(node_step, g_token[2:3], apart=True), done
-        return g_x, jnp.concatenate([done_marker(started_after), wait, hand_on])
+        started = done_marker(kept if first and floats(kept) else g)
+        return g_x, jnp.concatenate([started, wait, hand_on])
 
 
 # -- the markers of a chain, which `zpp_jax.overlap.loops` finds in a jaxpr -----------
