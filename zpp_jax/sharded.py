@@ -9,11 +9,11 @@ from collections.abc import Callable, Sequence
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.errors import UsageError
-from zpp_jax.overlap import prefetches
+from zpp_jax.overlap import prefetches, xla_flags
 from zpp_jax.overlap.loops import unroll_relayed_loops
 from zpp_jax.overlap.relay import relay_scope
 from zpp_jax.shard import FeedbackResidual
@@ -24,6 +24,14 @@ def has_stacked_units(model: nnx.Module) -> bool:
     """Whether any unit of a model `shard` sharded is a stack of layers (run
     by a layer loop, ``nnx.scan``) rather than one layer called once."""
     return any(info.stacked for info in unit_infos(model))
+
+
+def compiler_options(model: nnx.Module, mesh: Mesh) -> dict:
+    """The XLA options a step of this sharded model compiles with on `mesh`
+    (`zpp_jax.overlap.xla_flags`): for relayed units (no layer loop, or
+    its loops unrolled), those that let their collectives of different
+    kinds be in flight together."""
+    return xla_flags(mesh, unrolled=not has_stacked_units(model) or unrolls_layer_loops(model))
 
 
 def unrolls_layer_loops(model: nnx.Module) -> bool:

@@ -33,11 +33,11 @@ from jax.sharding import PartitionSpec as P
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError, check_positive_finite
 from zpp_jax.mesh import AXES, batch_sharding, mesh_shape, on_mesh
-from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links, xla_flags
+from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links
 from zpp_jax.overlap.relay import relay_scope
 from zpp_jax.program import compile_for_batch, finish_step
 from zpp_jax.shard import Policy, shard
-from zpp_jax.sharded import has_stacked_units, unrolls_layer_loops, value_and_grad
+from zpp_jax.sharded import compiler_options, value_and_grad
 from zpp_jax.unit import expect_units
 
 LossFn = Callable[[nnx.Module, dict], jax.Array]
@@ -126,10 +126,7 @@ class Trainer:
             # state) go onto the mesh, replicated, so the state lives on it whole.
             self._state = on_mesh(state, mesh)
         self._state_specs = jax.tree.map(lambda a: a.sharding.spec, self._state)
-        # The engine's XLA options for this mesh and model (`zpp.xla_flags`).
-        self.compiler_options = xla_flags(
-            mesh, unrolled=not has_stacked_units(sharded) or unrolls_layer_loops(sharded)
-        )
+        self.compiler_options = compiler_options(sharded, mesh)
         options = self.compiler_options or None
         self.train_step = jax.jit(self._train_step, donate_argnums=0, compiler_options=options)
         self.eval_step = jax.jit(self._eval_step, compiler_options=options)
