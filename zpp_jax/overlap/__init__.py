@@ -21,6 +21,7 @@ from zpp_jax.overlap.options import (
     schedules_overlap,
     xla_flags,
 )
+from zpp_jax.overlap.relay import relay_scope
 
 __all__ = [
     "DEFAULT_LINKS",
@@ -28,6 +29,7 @@ __all__ = [
     "check_links",
     "platform",
     "prefetches",
+    "relay_scope",
     "schedules_overlap",
     "xla_flags",
 ]
