@@ -5,24 +5,28 @@ description in $ZPP_GPU_TARGET_CONFIG; skipped without them, and never part
 of the default test command. Run with
 ``pip install -e ".[gpu-aot,test]"`` and
 ``ZPP_GPU_TARGET_CONFIG=h200.txtpb pytest -m gpu_aot -n 0``.
+
+The schedule of each step (what its collectives run behind) is held to
+the checked-in baseline `gpu_baselines/overlap.json`, which
+`gpu_baselines/regenerate.py` writes; the cases are in `gpu_cases.py`.
 """
 
-import functools
+import json
 import os
+import pathlib
 import re
 
+import gpu_cases as cases
 import jax
-import jax.numpy as jnp
-import optax
 import pytest
 from flax import nnx
+from gpu_cases import CASES, CONFIGS, MODELS
 
-from zpp_jax import JitFSDP, LinkModel, Trainer, ZeroPPConfig, make_mesh, step_report
+from zpp_jax import LinkModel
 from zpp_jax.analysis import schedule_overlap
 from zpp_jax.analysis.links import collective_costs
-from zpp_jax.analysis.target import TARGET_CONFIG_ENV, has_cuda_plugin, target_config, target_mesh
+from zpp_jax.analysis.target import TARGET_CONFIG_ENV, has_cuda_plugin, target_config
 from zpp_jax.cli import main
-from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
 
 pytestmark = pytest.mark.gpu_aot
 # A compile-only client cannot load programs back from the persistent cache.
@@ -34,48 +38,7 @@ if not os.environ.get(TARGET_CONFIG_ENV):
         f"needs {TARGET_CONFIG_ENV}: an XLA GPU target description", allow_module_level=True
     )
 
-MODELS = {
-    # name: (config, global batch); one sequence per device
-    "gpt-125m": (GPTConfig.preset("125m"), 8),
-    "llama-7b": (LlamaConfig.preset("7b", seq_len=2048), 8),
-}
-# The same GPT at depths the engine was not tuned on (the preset has 18).
-DEPTHS = {f"gpt-{n}-layers": (GPTConfig.preset("125m", n_layers=n), 8) for n in (12, 24)}
-_SIZES = {**MODELS, **DEPTHS}
-CONFIGS = {
-    "zero3": ZeroPPConfig.zero3(comm_dtype="bfloat16"),
-    "zeropp": ZeroPPConfig(comm_dtype="bfloat16"),
-    "zeropp_ef": ZeroPPConfig(comm_dtype="bfloat16", error_feedback=True),
-}
-
-
-def _model(name):
-    cfg = _SIZES[name][0]
-    return (GPT if isinstance(cfg, GPTConfig) else Llama)(cfg, nnx.Rngs(0))
-
-
-def _trainer(model, config, mesh, unroll=True):
-    abstract = nnx.eval_shape(lambda: _model(model))
-    config = CONFIGS[config].replace(unroll_layer_loops=unroll)
-    return Trainer(abstract, optax.adamw(1e-3), mesh, config, compute_dtype="bfloat16")
-
-
-def _batch(model):
-    cfg, batch = _SIZES[model]
-    tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len), jnp.int32)
-    return {"inputs": tokens, "targets": tokens}
-
-
-@functools.cache
-def _h200():
-    return target_mesh(2, 4)
-
-
-@functools.cache
-def _report(model, config, target="h200", unroll=True):
-    mesh = _h200() if target == "h200" else make_mesh(2, 4)
-    trainer = _trainer(model, config, mesh, unroll)
-    return step_report(trainer, _batch(model))
+BASELINE = pathlib.Path(__file__).resolve().parent / "gpu_baselines" / "overlap.json"
 
 
 def _device_memory() -> int:
@@ -87,9 +50,9 @@ def test_every_kernel_is_compiled_for_sm90(tmp_path):
     dequantize, and the fused dequantize-sum-quantize) is a Triton kernel of
     the compiled GPU program, lowered to PTX for sm_90a (and from it, by
     ptxas, to the cubin the program embeds): no reference fallback."""
-    trainer = _trainer("gpt-125m", "zeropp_ef", _h200())
+    trainer = cases.trainer("gpt-125m", "zeropp_ef", cases.h200())
     compiled = trainer.compile_step(
-        _batch("gpt-125m"), {**trainer.compiler_options, "xla_dump_to": str(tmp_path)}
+        cases.batch("gpt-125m"), {**trainer.compiler_options, "xla_dump_to": str(tmp_path)}
     )
     text = compiled.as_text()
     calls = [
@@ -121,7 +84,7 @@ def test_collectives_equal_the_cpu_count(config):
     changed none of them). XLA:GPU combines and splits collectives
     differently, so instruction counts differ; the scalar all-reduces of
     the loss and the checks are compared by size only."""
-    gpu, cpu = _report("gpt-125m", config), _report("gpt-125m", config, "cpu")
+    gpu, cpu = cases.report("gpt-125m", config), cases.report("gpt-125m", config, "cpu")
 
     def by_kind(report):
         out = {}
@@ -141,15 +104,15 @@ def test_collectives_equal_the_cpu_count(config):
     assert gpu["intra_node_bytes"] == pytest.approx(cpu["intra_node_bytes"], abs=64)
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_state_and_peak_memory_fit_an_h200(model, config):
+def test_state_and_peak_memory_fit_an_h200(name, config):
     """Per GPU: the state is its analytic size (parameters and both Adam
     moments, 1/8 each; with error feedback also residuals of (1 + 1/local)
     x each unit's whole size, fp32, on every GPU), and the compiled step's
     peak fits in the H200."""
-    report = _report(model, config)
-    params = nnx.state(nnx.eval_shape(lambda: _model(model)), nnx.Param)
+    report = cases.report(name, config)
+    params = nnx.state(nnx.eval_shape(lambda: cases.model(name)), nnx.Param)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     analytic = 3 * 4 * n_params / 8
     if CONFIGS[config].error_feedback:
@@ -176,75 +139,74 @@ def _share(report, kinds, where=None):
     return hit / total
 
 
-# Overlapped share of each role's collectives per step, on the compiled
-# schedule (collectives costed on the engine's default `LinkModel`), against
-# the bound of 0.9, for the two models and for the GPT at depths the engine
-# was not tuned on. The cases below the bound are marked as expected
-# failures, all of the GPT at 12 layers: ZeRO-3's first layer and embedding
-# reductions, which no schedule can hide, are 2 of 14 (86% at most), and its
-# gathers 24 of 27; ZeRO++'s reductions 23 and 24 of 28.
-_BELOW_BOUND = {
-    ("gpt-12-layers", "zero3", "gathers"),
-    ("gpt-12-layers", "zero3", "reductions"),
-    ("gpt-12-layers", "zeropp", "reductions"),
-    ("gpt-12-layers", "zeropp_ef", "reductions"),
-}
+def _baseline() -> dict:
+    return json.loads(BASELINE.read_text())
 
 
-@pytest.mark.parametrize(
-    "model,config,role",
-    [
-        pytest.param(
-            m,
-            c,
-            r,
-            marks=pytest.mark.xfail(strict=True, reason="not yet overlapped")
-            if (m, c, r) in _BELOW_BOUND
-            else (),
-        )
-        for m in [*MODELS, *DEPTHS]
-        for c in CONFIGS
-        for r in ROLES
-    ],
-)
-def test_collectives_run_behind_matrix_multiplies(model, config, role):
-    assert _share(_report(model, config), ROLES[role]) >= 0.9
+@pytest.mark.parametrize("name,config,unroll", CASES, ids=[cases.key(*c) for c in CASES])
+def test_the_schedule_is_the_baseline(name, config, unroll):
+    """Per collective kind, the runs per step behind a matrix multiply, all
+    runs and the runs no schedule can hide, and the bytes across and inside
+    nodes, are those of `gpu_baselines/overlap.json`: any change of the
+    schedule, a regression or a gain, shows here. A change meant is
+    recorded with ``python tests/gpu_baselines/regenerate.py``, which prints
+    the difference, and committed with it."""
+    want = _baseline().get(cases.key(name, config, unroll))
+    got = cases.schedule_record(cases.report(name, config, unroll=unroll))
+    assert got == want, (
+        f"the schedule of {cases.key(name, config, unroll)} changed: {json.dumps(got)}, baseline "
+        f"{json.dumps(want)}; if meant, run tests/gpu_baselines/regenerate.py"
+    )
+
+
+def test_the_baseline_covers_every_case():
+    assert set(_baseline()) == {cases.key(*c) for c in CASES}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("role", list(ROLES))
+def test_collectives_run_behind_matrix_multiplies(name, config, role):
+    """On the models the engine is made for, at least 90% of each role's
+    collectives per step run behind a matrix multiply (collectives costed
+    on the engine's default `LinkModel`)."""
+    assert _share(cases.report(name, config), ROLES[role]) >= 0.9
 
 
 def _exposed(report, kinds):
     return sum(report["estimate"]["exposed_us"][k] for k in kinds)
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_xla_estimates_the_step_and_the_communication_it_leaves_exposed(model, config):
+def test_xla_estimates_the_step_and_the_communication_it_leaves_exposed(name, config):
     """The scheduler's own estimate (`ScheduleEstimate`): a step time, and
     per collective kind the time no compute covers, less than the step."""
-    est = _report(model, config)["estimate"]
+    est = cases.report(name, config)["estimate"]
     assert est["step_us"] > 0
     assert set(est["exposed_us"]) >= {"all-gather", "all-to-all", "collective-permute"}
     assert 0 <= sum(est["exposed_us"].values()) < est["step_us"]
 
 
-@pytest.mark.parametrize("model", list(MODELS))
-def test_error_feedback_leaves_no_more_reduction_exposed(model):
+@pytest.mark.parametrize("name", list(MODELS))
+def test_error_feedback_leaves_no_more_reduction_exposed(name):
     """With error feedback fewer qgZ steps have a matrix multiply between
     start and done (`_BELOW_BOUND`), yet in XLA's estimate its reductions
     leave the step waiting as long as without it, within 5%: the residual
     and quantization kernels cover them instead."""
-    plain = _exposed(_report(model, "zeropp"), ROLES["reductions"])
-    ef = _exposed(_report(model, "zeropp_ef"), ROLES["reductions"])
+    plain = _exposed(cases.report(name, "zeropp"), ROLES["reductions"])
+    ef = _exposed(cases.report(name, "zeropp_ef"), ROLES["reductions"])
     assert ef <= 1.05 * plain
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("config", ["zeropp", "zeropp_ef"])
-def test_zeropp_leaves_less_communication_exposed_than_zero3(model, config):
+def test_zeropp_leaves_less_communication_exposed_than_zero3(name, config):
     """In XLA's estimate, with the collectives costed on the links they
     cross, the ZeRO++ step waits on communication for less time than the
     ZeRO-3 (bf16 wire) step of the same model."""
-    zero3 = _report(model, "zero3")["estimate"]["exposed_us"]
-    zpp = _report(model, config)["estimate"]["exposed_us"]
+    zero3 = cases.report(name, "zero3")["estimate"]["exposed_us"]
+    zpp = cases.report(name, config)["estimate"]["exposed_us"]
     assert sum(zpp.values()) < sum(zero3.values())
 
 
@@ -253,9 +215,9 @@ def _unhideable_share(report, kinds):
     return sum(n for n, ok in runs if not ok) / sum(n for n, _ in runs)
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_what_no_schedule_can_hide_bounds_the_overlap(model, config):
+def test_what_no_schedule_can_hide_bounds_the_overlap(name, config):
     """A collective that every matrix multiply of its computation (the
     program, or one loop iteration) feeds or waits for runs behind none in
     any schedule of the program, and is never counted behind one. With the
@@ -264,7 +226,7 @@ def test_what_no_schedule_can_hide_bounds_the_overlap(model, config):
     other unit's reduction, and so every matrix multiply, feeds it, and the
     embedding's backward pass after it has no matrix multiply (one unit of
     the GPT's 20, two collectives of its 40 with qgZ)."""
-    report = _report(model, config)
+    report = cases.report(name, config)
     for c in report["collectives"]:
         assert c["hideable"] or not c["behind"], c
     assert _unhideable_share(report, ROLES["reductions"]) <= 0.05
@@ -276,7 +238,7 @@ def test_a_layer_loop_left_as_a_loop_hides_almost_no_reduction(config):
     inside an iteration every matrix multiply feeds the layer's reduction,
     so most reductions are unhideable and at most a fifth run behind a
     GEMM; unrolled, the same model's are all hideable (the test above)."""
-    report = _report("gpt-125m", config, unroll=False)
+    report = cases.report("gpt-125m", config, unroll=False)
     assert _unhideable_share(report, ROLES["reductions"]) > 0.5
     assert _share(report, ROLES["reductions"]) < 0.2
     # XLA's statistics would count the loop's body once: no estimate.
@@ -288,23 +250,21 @@ def test_the_plain_jit_baseline_compiles_for_the_target():
     bf16 compute: its step compiles for 2 x 4 H200s with asynchronous
     collectives, the largest weight gather travels in bf16, and its layer
     loop withholds XLA's estimate (counted once, not per layer)."""
-    abstract = nnx.eval_shape(lambda: _model("gpt-125m"))
-    baseline = JitFSDP(abstract, optax.adamw(1e-3), _h200(), compute_dtype="bfloat16")
-    report = step_report(baseline, _batch("gpt-125m"))
+    report = cases.report("gpt-125m", "jit")
     gathers = [c for c in report["collectives"] if c["kind"] == "all-gather"]
     assert any(c["async"] for c in report["collectives"])
     assert set(max(gathers, key=lambda c: c["bytes"])["dtypes"]) == {"bf16"}
     assert report["estimate"] is None and "loop" in report["estimate_withheld"]
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_relayed_layers_gather_one_layer_ahead(model, config):
+def test_relayed_layers_gather_one_layer_ahead(name, config):
     """The units are relayed (`ShardedLayer.relayed`; the GPT's layer loop
     unrolled to do so): each forward gather waits for the previous layer's
     input and runs behind that layer's matrix multiplies. At least 85% do
     (all but the first units', which have nothing before them)."""
-    report = _report(model, config)
+    report = cases.report(name, config)
     assert _share(report, ("all-gather",), lambda c: "transpose(" not in c["op"]) >= 0.85
 
 
@@ -319,8 +279,8 @@ def test_scheduled_program_names_every_collective():
     """`schedule_overlap` finds each collective `collectives_in_hlo` counts."""
     from zpp_jax.analysis import collectives_in_hlo
 
-    trainer = _trainer("gpt-125m", "zeropp", _h200())
-    text = trainer.compile_step(_batch("gpt-125m")).as_text()
+    trainer = cases.trainer("gpt-125m", "zeropp", cases.h200())
+    text = trainer.compile_step(cases.batch("gpt-125m")).as_text()
     counted = sorted(c.name for c in collectives_in_hlo(text))
     scheduled = sorted(s.name for s in schedule_overlap(text))
     assert counted == scheduled and counted
