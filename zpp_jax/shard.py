@@ -35,6 +35,7 @@ and, with hpZ, its secondary shard: never its full weights.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -209,17 +210,12 @@ def _name(path: Path) -> str:
 # -- storage -------------------------------------------------------------------
 
 
-_SHARDED_CLASSES: dict[type, type] = {}
-
-
+@functools.cache
 def _sharded_class(cls: type) -> type:
     """`cls` with its ``__call__`` routed through the engine (one subclass per
-    class, so that identical units have identical graph definitions)."""
-    if cls not in _SHARDED_CLASSES:
-        _SHARDED_CLASSES[cls] = type(
-            cls.__name__, (cls,), {"__call__": _unit_call, "_zpp_base": cls}
-        )
-    return _SHARDED_CLASSES[cls]
+    class, memoized, so that identical units have identical graph
+    definitions)."""
+    return type(cls.__name__, (cls,), {"__call__": _unit_call, "_zpp_base": cls})
 
 
 def shard(
