@@ -21,6 +21,7 @@ _SUBMODULES = (
     "collectives",
     "distributed",
     "errors",
+    "hf",
     "overlap",
     "pipeline",
     "quant",
