@@ -3,12 +3,18 @@ and 5.x write them, for each supported family; anything else refused in
 one line that names what is supported."""
 
 import json
+import math
 import re
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
 from zpp_jax.errors import UsageError
-from zpp_jax.hf import CheckpointConfig, Rope, parse_config, read_config
+from zpp_jax.hf import CheckpointConfig, Rope, llama_config, parse_config, read_config
+from zpp_jax.models import Llama, LlamaConfig
+from zpp_jax.models.llama import rope_frequencies
 
 LLAMA2_7B = {  # transformers 4.x
     "architectures": ["LlamaForCausalLM"],
@@ -202,3 +208,60 @@ def test_a_missing_or_broken_file_is_named(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(UsageError, match="holds list, not a JSON object"):
         read_config(tmp_path)
+
+
+# -- as the library's Llama -----------------------------------------------------------
+
+
+def test_each_family_becomes_a_llama_config():
+    qwen = llama_config(parse_config(QWEN25_05B), seq_len=128)
+    assert (qwen.qkv_bias, qwen.tie_embeddings, qwen.norm_eps, qwen.head_dim) == (
+        True,
+        True,
+        1e-6,
+        64,
+    )
+    assert qwen.rope_theta == 1e6 and qwen.rope_scaling is None and qwen.seq_len == 128
+    llama = llama_config(parse_config(LLAMA32_1B), seq_len=64, dtype="bfloat16")
+    assert llama.rope_scaling == (32.0, 1.0, 4.0, 8192) and llama.dtype == "bfloat16"
+    assert not llama.qkv_bias and llama.tie_embeddings and llama.head_dim == 64
+    assert llama_config(parse_config(MISTRAL_7B), seq_len=4096).n_kv_heads == 8
+    with pytest.raises(UsageError, match="window of 4096 tokens, and sequences of 8192"):
+        llama_config(parse_config(MISTRAL_7B), seq_len=8192)
+
+
+def test_llama3_frequencies_follow_the_per_frequency_rule():
+    """Llama 3.1's scaling, written frequency by frequency as its reference
+    states it: short wavelengths kept, long ones divided by the factor, the
+    ones between interpolated."""
+    theta, (factor, low, high, old) = 500000.0, (8.0, 1.0, 4.0, 8192)
+    want = []
+    for freq in theta ** (-np.arange(64, dtype=np.float32) / 64):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            want.append(freq)
+        elif wavelen > old / low:
+            want.append(freq / factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            want.append((1 - smooth) * freq / factor + smooth * freq)
+    got = rope_frequencies(64, theta, (factor, low, high, old))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want, np.float32), rtol=1e-6)
+    plain = np.asarray(rope_frequencies(64, theta))
+    assert (np.asarray(got) < plain).any() and (np.asarray(got) == plain).any()
+
+
+def test_biases_and_tied_embeddings_shape_the_model():
+    """q/k/v biases are parameters of their own; a tied model has no LM
+    head, and its logits are the final hidden states times the embedding."""
+    cfg = LlamaConfig(qkv_bias=True, tie_embeddings=True, norm_eps=1e-5, head_size=8)
+    model = Llama(cfg, nnx.Rngs(0))
+    attn = model.layers[0].attn
+    assert attn.q.bias is not None and attn.k.bias is not None and attn.o.bias is None
+    assert attn.q.kernel.shape == (64, 4 * 8) and not hasattr(model, "lm_head")
+    tokens = jnp.arange(8, dtype=jnp.int32)[None]
+    x = model.embed(tokens)
+    for layer in model.layers:
+        x = layer(x, jnp.arange(8)[None], jnp.tril(jnp.ones((1, 8, 8), bool)))
+    want = model.norm(x) @ model.embed.embedding[...].T
+    np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(want), rtol=1e-5, atol=1e-6)

@@ -1,11 +1,21 @@
 """Hugging Face checkpoints of Llama-family models.
 
 * `config`: a checkpoint's ``config.json`` (transformers 4.x or 5.x) read
-  into a `CheckpointConfig` (`read_config`).
-
-Importing this package costs no JAX.
+  into a `CheckpointConfig` (`read_config`); no JAX.
+* `model`: that config as the library's `zpp_jax.models.Llama`
+  (`llama_config`).
 """
 
-from zpp_jax.hf.config import CheckpointConfig, Rope, parse_config, read_config
+from __future__ import annotations
 
-__all__ = ["CheckpointConfig", "Rope", "parse_config", "read_config"]
+from zpp_jax._lazy import lazy_exports
+
+_EXPORTS = {
+    "CheckpointConfig": "zpp_jax.hf.config",
+    "Rope": "zpp_jax.hf.config",
+    "parse_config": "zpp_jax.hf.config",
+    "read_config": "zpp_jax.hf.config",
+    "llama_config": "zpp_jax.hf.model",
+}
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, ("config", "model"))

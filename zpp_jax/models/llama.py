@@ -50,15 +50,28 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     dtype: str = "float32"
     scan: bool = False
+    # What published checkpoints of the family vary (`zpp_jax.hf`):
+    norm_eps: float = 1e-6  # added to the mean square in RMSNorm
+    head_size: int | None = None  # features per head; None: d_model // n_heads
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    tie_embeddings: bool = False  # the LM head is the embedding, transposed
+    # Llama 3.1's rope scaling: (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings); None: plain rotary frequencies.
+    rope_scaling: tuple[float, float, float, int] | None = None
 
     def __post_init__(self) -> None:
         sizes = ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
         check_positive_ints(self, sizes, "LlamaConfig.")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise UsageError(f"dtype={self.dtype!r}: use float32, bfloat16 or float16")
-        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+        if self.head_size is None and self.d_model % self.n_heads:
+            raise UsageError(f"d_model={self.d_model} must split into {self.n_heads} heads")
+        if self.head_dim % 2:
+            raise UsageError(f"heads of {self.head_dim} features: rotary needs an even size")
+        if self.rope_scaling is not None and len(self.rope_scaling) != 4:
             raise UsageError(
-                f"d_model={self.d_model} must split into {self.n_heads} heads of even size"
+                "rope_scaling must be (factor, low_freq_factor, high_freq_factor, "
+                f"original_max_position_embeddings), got {self.rope_scaling!r}"
             )
         if self.n_heads % self.n_kv_heads:
             raise UsageError(
@@ -74,7 +87,7 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.d_model // self.n_heads if self.head_size is None else self.head_size
 
 
 class RMSNorm(nnx.Module):
@@ -88,11 +101,28 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...]).astype(x.dtype)
 
 
-def rotary(x, positions, theta: float):
-    """Rotate pairs of features of x (batch, tokens, heads, head_dim) by
-    their position times a per-pair frequency."""
-    half = x.shape[-1] // 2
+def rope_frequencies(half: int, theta: float, scaling=None) -> jax.Array:
+    """The rotary frequency of each of `half` feature pairs: theta^(-i/half);
+    with `scaling` (Llama 3.1's factor, low and high frequency factors and
+    original context), the long wavelengths divided by the factor and the
+    middle ones interpolated between, as Llama 3.1 defines them."""
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None:
+        return freq
+    factor, low, high, original = scaling
+    wavelen = 2 * jnp.pi / freq
+    scaled = jnp.where(wavelen > original / low, freq / factor, freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rotary(x, positions, theta: float, scaling=None):
+    """Rotate pairs of features of x (batch, tokens, heads, head_dim) by
+    their position times a per-pair frequency (`rope_frequencies`)."""
+    half = x.shape[-1] // 2
+    freq = rope_frequencies(half, theta, scaling)
     angle = positions[..., None].astype(jnp.float32) * freq  # (batch, tokens, half)
     cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
@@ -104,17 +134,19 @@ class Attention(nnx.Module):
         d, hd, dt = cfg.d_model, cfg.head_dim, cfg.dtype
         init = nnx.initializers.normal(0.02)
         kw = dict(use_bias=False, kernel_init=init, dtype=dt, rngs=rngs)
-        self.q = nnx.Linear(d, cfg.n_heads * hd, **kw)
-        self.k = nnx.Linear(d, cfg.n_kv_heads * hd, **kw)
-        self.v = nnx.Linear(d, cfg.n_kv_heads * hd, **kw)
+        qkv = {**kw, "use_bias": cfg.qkv_bias}
+        self.q = nnx.Linear(d, cfg.n_heads * hd, **qkv)
+        self.k = nnx.Linear(d, cfg.n_kv_heads * hd, **qkv)
+        self.v = nnx.Linear(d, cfg.n_kv_heads * hd, **qkv)
         self.o = nnx.Linear(cfg.n_heads * hd, d, **kw)
         self.cfg = cfg
 
     def __call__(self, x, positions, mask):
         b, t, _ = x.shape
         cfg, hd = self.cfg, self.cfg.head_dim
-        q = rotary(self.q(x).reshape(b, t, cfg.n_heads, hd), positions, cfg.rope_theta)
-        k = rotary(self.k(x).reshape(b, t, cfg.n_kv_heads, hd), positions, cfg.rope_theta)
+        rope = (cfg.rope_theta, cfg.rope_scaling)
+        q = rotary(self.q(x).reshape(b, t, cfg.n_heads, hd), positions, *rope)
+        k = rotary(self.k(x).reshape(b, t, cfg.n_kv_heads, hd), positions, *rope)
         v = self.v(x).reshape(b, t, cfg.n_kv_heads, hd)
         group = cfg.n_heads // cfg.n_kv_heads
         k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
@@ -138,9 +170,9 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, positions, mask):
@@ -171,15 +203,16 @@ class Llama(nnx.Module):
             self.layers = make(rngs)
         else:
             self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.n_layers)])
-        self.norm = RMSNorm(cfg.d_model)
-        self.lm_head = nnx.Linear(
-            cfg.d_model,
-            cfg.vocab_size,
-            use_bias=False,
-            kernel_init=nnx.initializers.normal(0.02),
-            dtype=cfg.dtype,
-            rngs=rngs,
-        )
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.lm_head = nnx.Linear(
+                cfg.d_model,
+                cfg.vocab_size,
+                use_bias=False,
+                kernel_init=nnx.initializers.normal(0.02),
+                dtype=cfg.dtype,
+                rngs=rngs,
+            )
 
     def __call__(self, tokens, positions=None, mask=None):
         b, t = tokens.shape
@@ -198,11 +231,17 @@ class Llama(nnx.Module):
         else:
             for layer in self.layers:
                 x = layer(x, positions, mask)
-        return self.lm_head(self.norm(x)).astype(jnp.float32)
+        return _logits(self.embed, getattr(self, "lm_head", None), self.norm(x))
 
     def pipeline_decoder(self) -> LlamaDecoder:
         """How this model runs as a token pipeline (`zpp_jax.pipeline`)."""
         return LlamaDecoder(self.cfg)
+
+
+def _logits(embed, lm_head, h) -> jax.Array:
+    """fp32 logits of the final hidden states `h` (after the norm): the LM
+    head's, or with tied embeddings (no `lm_head`) the embedding's transpose."""
+    return (embed.attend(h) if lm_head is None else lm_head(h)).astype(jnp.float32)
 
 
 class LlamaDecoder(PipelineDecoder):
@@ -216,12 +255,10 @@ class LlamaDecoder(PipelineDecoder):
         self.cfg = cfg
 
     def parts(self, model):
-        return {
-            "embed": model.embed,
-            "blocks": model.layers,
-            "norm": model.norm,
-            "lm_head": model.lm_head,
-        }
+        parts = {"embed": model.embed, "blocks": model.layers, "norm": model.norm}
+        if not self.cfg.tie_embeddings:
+            parts["lm_head"] = model.lm_head
+        return parts
 
     def embed(self, parts, tokens, start):
         return parts["embed"](tokens).astype(self.dtype)
@@ -232,8 +269,9 @@ class LlamaDecoder(PipelineDecoder):
         hd, group = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
         positions = jnp.broadcast_to(start + jnp.arange(t), (b, t))
         h = blk.attn_norm(x)
-        q = rotary(attn.q(h).reshape(b, t, cfg.n_heads, hd), positions, cfg.rope_theta)
-        k = rotary(attn.k(h).reshape(b, t, cfg.n_kv_heads, hd), positions, cfg.rope_theta)
+        rope = (cfg.rope_theta, cfg.rope_scaling)
+        q = rotary(attn.q(h).reshape(b, t, cfg.n_heads, hd), positions, *rope)
+        k = rotary(attn.k(h).reshape(b, t, cfg.n_kv_heads, hd), positions, *rope)
         kv, ks, vs = write_cache(kv, k.reshape(b, t, -1), attn.v(h), start, keys)
         ks = jnp.repeat(ks.reshape(b, keys, cfg.n_kv_heads, hd), group, axis=2)
         vs = jnp.repeat(vs.reshape(b, keys, cfg.n_kv_heads, hd), group, axis=2)
@@ -242,4 +280,4 @@ class LlamaDecoder(PipelineDecoder):
         return x + blk.mlp(blk.mlp_norm(x)), kv
 
     def head(self, parts, x):
-        return parts["lm_head"](parts["norm"](x)).astype(jnp.float32)
+        return _logits(parts["embed"], parts.get("lm_head"), parts["norm"](x))
