@@ -6,13 +6,18 @@ import json
 import math
 import re
 
+import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from zpp_jax.errors import UsageError
-from zpp_jax.hf import CheckpointConfig, Rope, llama_config, parse_config, read_config
+from zpp_jax.hf import CheckpointConfig, Rope, llama_config, load, parse_config, read_config, save
+from zpp_jax.hf.checkpoint import tensor_names
 from zpp_jax.models import Llama, LlamaConfig
 from zpp_jax.models.llama import rope_frequencies
 
@@ -265,3 +270,124 @@ def test_biases_and_tied_embeddings_shape_the_model():
         x = layer(x, jnp.arange(8)[None], jnp.tril(jnp.ones((1, 8, 8), bool)))
     want = model.norm(x) @ model.embed.embedding[...].T
     np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+# -- weights in and out ---------------------------------------------------------------
+
+TINY = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 16,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 64,
+}
+
+
+def _write_checkpoint(directory, data=TINY, shards=1, drop=(), extra=()):
+    """A checkpoint as Hugging Face lays it out, written with safetensors and
+    numpy: random bf16 tensors under the family's names."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(data))
+    cfg = llama_config(parse_config(data))
+    rng = np.random.default_rng(0)
+    abstract = nnx.state(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))), nnx.Param)
+    by_path = dict(nnx.to_flat_state(abstract))
+    tensors = {}
+    for name, key, transposed in tensor_names(cfg):
+        shape = by_path[key].get_value().shape
+        value = rng.standard_normal(shape[::-1] if transposed else shape).astype(np.float32)
+        tensors[name] = value.astype(ml_dtypes.bfloat16)
+    for name in drop:
+        del tensors[name]
+    for name in extra:
+        tensors[name] = np.zeros(3, ml_dtypes.bfloat16)
+    names = list(tensors)
+    parts = [names[i::shards] for i in range(shards)]
+    if shards == 1:
+        save_file(tensors, directory / "model.safetensors")
+    else:
+        weight_map = {}
+        for i, part in enumerate(parts):
+            file = f"model-{i:05d}.safetensors"
+            save_file({n: tensors[n] for n in part}, directory / file)
+            weight_map |= {n: file for n in part}
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": weight_map})
+        )
+    return tensors
+
+
+def _read_all(directory):
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(file, "numpy") as f:
+            out |= {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    return out
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_a_load_and_save_round_trip_is_bit_for_bit(tmp_path, shards):
+    """A bf16 checkpoint (one file, or shards with an index) loaded and saved
+    in bf16 again: every tensor the same bits; saved in shards of at most
+    4 KiB, it is split with an index, and loads to the same parameters."""
+    tensors = _write_checkpoint(tmp_path / "in", shards=shards)
+    model = load(tmp_path / "in")
+    save(model, tmp_path / "out", dtype="bfloat16")
+    got = _read_all(tmp_path / "out")
+    assert set(got) == set(tensors)
+    for name, value in tensors.items():
+        assert got[name].dtype == value.dtype
+        np.testing.assert_array_equal(got[name].view(np.uint16), value.view(np.uint16))
+    assert read_config(tmp_path / "out") == read_config(tmp_path / "in")
+    files = save(model, tmp_path / "sharded", dtype="bfloat16", max_shard_bytes=4096)
+    assert (tmp_path / "sharded" / "model.safetensors.index.json") in files and len(files) > 3
+    again = load(tmp_path / "sharded")
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(again)), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_saved_model_computes_the_same_logits(tmp_path):
+    cfg = LlamaConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=16)
+    model = Llama(cfg, nnx.Rngs(3))
+    save(model, tmp_path / "m")
+    tokens = jnp.arange(16, dtype=jnp.int32)[None] % 64
+    np.testing.assert_array_equal(
+        np.asarray(load(tmp_path / "m")(tokens)), np.asarray(model(tokens))
+    )
+    with pytest.raises(UsageError, match="is not empty: save into a new directory, or overwrite"):
+        save(model, tmp_path / "m")
+    save(model, tmp_path / "m", overwrite=True)
+
+
+def test_bad_checkpoints_are_named(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(TINY))
+    with pytest.raises(UsageError, match="has neither model.safetensors nor"):
+        load(tmp_path / "empty")
+    _write_checkpoint(tmp_path / "missing", drop=["model.norm.weight"])
+    with pytest.raises(UsageError, match="the checkpoint has no tensor model.norm.weight"):
+        load(tmp_path / "missing")
+    _write_checkpoint(tmp_path / "extra", extra=["model.layers.9.mlp.up_proj.weight"])
+    with pytest.raises(UsageError, match="no place for: model.layers.9.mlp.up_proj.weight"):
+        load(tmp_path / "extra")
+    _write_checkpoint(tmp_path / "shape", data={**TINY, "intermediate_size": 40})
+    (tmp_path / "shape" / "config.json").write_text(json.dumps(TINY))
+    with pytest.raises(
+        UsageError,
+        match=r"gate_proj.weight has shape \(40, 32\), but config.json implies \(48, 32\)",
+    ):
+        load(tmp_path / "shape")
+    _write_checkpoint(tmp_path / "index", shards=2)
+    (tmp_path / "index" / "model-00001.safetensors").unlink()
+    with pytest.raises(UsageError, match="names the shard model-00001.safetensors, which does not"):
+        load(tmp_path / "index")

@@ -4,6 +4,8 @@
   into a `CheckpointConfig` (`read_config`); no JAX.
 * `model`: that config as the library's `zpp_jax.models.Llama`
   (`llama_config`).
+* `checkpoint`: the weights in and out (`load`, `save`): safetensors, one
+  file or shards with an index.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ _EXPORTS = {
     "parse_config": "zpp_jax.hf.config",
     "read_config": "zpp_jax.hf.config",
     "llama_config": "zpp_jax.hf.model",
+    "load": "zpp_jax.hf.checkpoint",
+    "save": "zpp_jax.hf.checkpoint",
 }
 
-__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, ("config", "model"))
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, ("checkpoint", "config", "model"))
