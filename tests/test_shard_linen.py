@@ -86,9 +86,13 @@ def _flat(tree):
     return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-# The ViT's is the longest compilation of the file: in the slow set.
+# The ViT's and the CNN's are the longest compilations of the file: in the slow set.
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "linen_vit" else n for n in FAMILIES]
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n in ("linen_vit", "linen_cnn") else n
+        for n in FAMILIES
+    ],
 )
 def test_zero3_equals_one_device(name, mesh24):
     """10 steps: losses to 1e-5; every parameter and BatchNorm statistic
