@@ -14,6 +14,7 @@ host; `save` copies each parameter to the host once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 
@@ -98,20 +99,23 @@ def load(path: str | pathlib.Path, *, dtype: str = "float32", seq_len: int | Non
     abstract = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     by_path = dict(nnx.to_flat_state(params))
-    for name, key, transposed in names:
-        if name not in files:
-            raise UsageError(f"{directory}: the checkpoint has no tensor {name}")
-        with safe_open(files[name], "numpy") as f:
-            value = f.get_tensor(name)
-        value = value.T if transposed else value
-        want = by_path[key].get_value().shape
-        if value.shape != tuple(want):
-            shape = value.T.shape if transposed else value.shape
-            raise UsageError(
-                f"{directory}: tensor {name} has shape {shape}, but config.json implies "
-                f"{tuple(want)[::-1] if transposed else tuple(want)}"
-            )
-        by_path[key].set_value(jax.numpy.asarray(value.astype(np.float32)))
+    missing = [name for name, _, _ in names if name not in files]
+    if missing:
+        raise UsageError(f"{directory}: the checkpoint has no tensor {missing[0]}")
+    with contextlib.ExitStack() as stack:
+        # Each file opened once, however many tensors it holds.
+        opened = {f: stack.enter_context(safe_open(f, "numpy")) for f in set(files.values())}
+        for name, key, transposed in names:
+            tensor = opened[files[name]].get_tensor(name)
+            want = tuple(by_path[key].get_value().shape)
+            want = want[::-1] if transposed else want
+            if tensor.shape != want:
+                raise UsageError(
+                    f"{directory}: tensor {name} has shape {tensor.shape}, but config.json "
+                    f"implies {want}"
+                )
+            value = tensor.T if transposed else tensor
+            by_path[key].set_value(jax.numpy.asarray(value.astype(np.float32)))
     return nnx.merge(graphdef, nnx.from_flat_state(list(by_path.items())), rest)
 
 
