@@ -3,43 +3,52 @@
 
 `load(path)` builds the library's `Llama` from a checkpoint directory of a
 supported family (`zpp_jax.hf.config`), every tensor checked against the
-shape its config implies. `save(model, path)` writes the same layout back:
-``config.json``, ``model.safetensors`` or shards of at most
-`max_shard_bytes` with ``model.safetensors.index.json``. Loading then
-saving in the checkpoint's dtype gives its tensors back bit for bit.
+shape its config implies before any is read. With ``mesh=`` it builds the
+model sharded (`zpp_jax.shard`): each process reads only the slices its
+own devices hold. `save(model, path)` writes the same layout back from a
+plain or sharded model: ``config.json``, ``model.safetensors`` or shards of
+at most `max_shard_bytes` with ``model.safetensors.index.json``. Loading
+then saving in the checkpoint's dtype gives its tensors back bit for bit.
 
-Memory: `load` reads one tensor at a time, and holds the whole model on the
-host; `save` copies each parameter to the host once.
+Memory: a plain `load` holds the model on the host in fp32. A sharded one
+holds, per process, its devices' blocks (fp32) plus the slice of one tensor
+being read. `save` holds one tensor at a time on the host (a sharded one is
+gathered tensor by tensor, and process 0 writes).
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
 import pathlib
 
 import jax
-import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
-from safetensors.numpy import save_file
+from jax.experimental import multihost_utils
 
 from zpp_jax.errors import UsageError
 from zpp_jax.hf.config import read_config
+from zpp_jax.hf.files import (
+    DTYPES,
+    INDEX,
+    TensorReader,
+    plan_shards,
+    shard_file_names,
+    weight_files,
+    write_streamed,
+)
 from zpp_jax.hf.model import llama_config
 from zpp_jax.models.llama import Llama, LlamaConfig
 
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Buffers some checkpoints carry that are not parameters (recomputed here).
 _IGNORED = ("rotary_emb.inv_freq",)
 
 
 def tensor_names(cfg: LlamaConfig) -> list[tuple[str, tuple, bool]]:
-    """(checkpoint name, parameter path in the `Llama`, transposed) of every
-    weight of a model of `cfg`, in the order checkpoints list them."""
+    """(checkpoint name, parameter path in a `Llama` of unstacked layers,
+    transposed) of every weight of a model of `cfg`, in the order
+    checkpoints list them."""
     names = [("model.embed_tokens.weight", ("embed", "embedding"), False)]
     for i in range(cfg.n_layers):
         p, layer = f"model.layers.{i}.", ("layers", i)
@@ -61,62 +70,139 @@ def tensor_names(cfg: LlamaConfig) -> list[tuple[str, tuple, bool]]:
     return names
 
 
-def _weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
-    """Each tensor's file: from the index, or the one weights file."""
-    index = directory / INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = {name: directory / file for name, file in weight_map.items()}
-        for file in sorted(set(files.values())):
-            if not file.is_file():
-                raise UsageError(f"{index} names the shard {file.name}, which does not exist")
-        return files
-    single = directory / WEIGHTS
-    if not single.is_file():
-        raise UsageError(f"{directory} has neither {WEIGHTS} nor {INDEX}")
-    with safe_open(single, "numpy") as f:
-        return {name: single for name in f.keys()}  # noqa: SIM118 - not a dict
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where one parameter of the `Llama` lives in a checkpoint: the tensor
+    of each layer (one name unless the layers are stacked for `nnx.scan`),
+    stored transposed (a Linear's (out, in) weight) or not."""
+
+    names: tuple[str, ...]
+    transposed: bool
+    stacked: bool
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape each of `names` has in the checkpoint, for a parameter
+        of `shape`."""
+        shape = tuple(shape[1:] if self.stacked else shape)
+        return shape[::-1] if self.transposed else shape
+
+    def read(self, reader: TensorReader, index: tuple[slice, ...]) -> np.ndarray:
+        """The parameter's fp32 elements at `index` (slices of its own
+        shape), read from the checkpoint's slices alone."""
+        if not self.stacked:
+            return self._read_one(reader, self.names[0], index)
+        layers = range(len(self.names))[index[0]]
+        return np.stack([self._read_one(reader, self.names[i], index[1:]) for i in layers])
+
+    def _read_one(self, reader: TensorReader, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        value = reader.read(name, tuple(index[::-1] if self.transposed else index))
+        return np.asarray(value.T if self.transposed else value, np.float32)
 
 
-def load(path: str | pathlib.Path, *, dtype: str = "float32", seq_len: int | None = None) -> Llama:
+def sources(cfg: LlamaConfig) -> dict[tuple, Source]:
+    """Each parameter path of a `Llama` of `cfg` with its `Source`."""
+    out: dict[tuple, Source] = {}
+    for name, key, transposed in tensor_names(cfg):
+        if cfg.scan and key[0] == "layers":
+            key = (key[0], *key[2:])
+            names = out[key].names if key in out else ()
+            out[key] = Source((*names, name), transposed, stacked=True)
+        else:
+            out[key] = Source((name,), transposed, stacked=False)
+    return out
+
+
+def load(
+    path: str | pathlib.Path,
+    *,
+    dtype: str = "float32",
+    seq_len: int | None = None,
+    scan: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    config=None,
+) -> Llama:
     """The `Llama` of a checkpoint directory, its parameters in fp32,
     computing in `dtype` on sequences of up to `seq_len` tokens (default:
-    the checkpoint's longest).
+    the checkpoint's longest), its layers stacked for `nnx.scan` with
+    `scan`.
+
+    With `mesh` (a `zpp_jax.make_mesh` mesh), the model comes back sharded
+    as ``zpp_jax.shard(model, mesh, config)`` shards it, built without ever
+    being whole: each process reads, through safetensors' lazy slices, only
+    the blocks its own devices hold. Its other state (error-feedback
+    residuals) starts at zero.
 
     Raises:
       UsageError: a missing file, a shard the index names that is missing,
         a tensor missing or of a shape its config.json does not imply, a
-        tensor the model has no place for, or a config `read_config` refuses.
+        tensor the model has no place for, a config `read_config` refuses,
+        or `config` without `mesh`. All are checked before any tensor is
+        read.
     """
     directory = pathlib.Path(path)
-    cfg = llama_config(read_config(directory), seq_len, dtype)
-    files = _weight_files(directory)
-    names = tensor_names(cfg)
-    unknown = sorted(set(files) - {n for n, _, _ in names})
-    unknown = [n for n in unknown if not n.endswith(_IGNORED)]
+    if config is not None and mesh is None:
+        raise UsageError("hf.load: config= says how to shard, and needs mesh= as well")
+    cfg = llama_config(read_config(directory), seq_len, dtype, scan)
+    files, plan = weight_files(directory), sources(cfg)
+    model = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
+    if mesh is not None:
+        from zpp_jax.shard import shard
+
+        shard(model, mesh, config)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    flat = dict(nnx.to_flat_state(params))
+    with TensorReader(files) as reader:
+        _check_tensors(directory, files, plan, flat, reader)
+        for key, source in plan.items():
+            flat[key].set_value(_materialize(source, reader, flat[key].get_value()))
+    rest = jax.tree.map(_zeros, rest)
+    return nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())), rest)
+
+
+def _check_tensors(directory, files, plan, flat, reader: TensorReader) -> None:
+    """Raise UsageError unless the checkpoint holds exactly the model's
+    tensors, each of the shape its config implies (headers only)."""
+    wanted = {name for source in plan.values() for name in source.names}
+    unknown = sorted(n for n in set(files) - wanted if not n.endswith(_IGNORED))
     if unknown:
         raise UsageError(f"{directory}: tensors the model has no place for: {', '.join(unknown)}")
-    abstract = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    by_path = dict(nnx.to_flat_state(params))
-    missing = [name for name, _, _ in names if name not in files]
-    if missing:
-        raise UsageError(f"{directory}: the checkpoint has no tensor {missing[0]}")
-    with contextlib.ExitStack() as stack:
-        # Each file opened once, however many tensors it holds.
-        opened = {f: stack.enter_context(safe_open(f, "numpy")) for f in set(files.values())}
-        for name, key, transposed in names:
-            tensor = opened[files[name]].get_tensor(name)
-            want = tuple(by_path[key].get_value().shape)
-            want = want[::-1] if transposed else want
-            if tensor.shape != want:
+    for key, source in plan.items():
+        want = source.stored_shape(flat[key].get_value().shape)
+        for name in source.names:
+            if name not in files:
+                raise UsageError(f"{directory}: the checkpoint has no tensor {name}")
+            got = reader.shape(name)
+            if got != want:
                 raise UsageError(
-                    f"{directory}: tensor {name} has shape {tensor.shape}, but config.json "
-                    f"implies {want}"
+                    f"{directory}: tensor {name} has shape {got}, but config.json implies {want}"
                 )
-            value = tensor.T if transposed else tensor
-            by_path[key].set_value(jax.numpy.asarray(value.astype(np.float32)))
-    return nnx.merge(graphdef, nnx.from_flat_state(list(by_path.items())), rest)
+
+
+def _materialize(source: Source, reader: TensorReader, abstract: jax.ShapeDtypeStruct):
+    """The parameter `abstract` describes, read from the checkpoint: whole
+    on the default device, or, when it has a sharding, each addressable
+    device's block alone (a block two devices share is read once)."""
+    sharding = getattr(abstract, "sharding", None)
+    if sharding is None:
+        return jax.numpy.asarray(source.read(reader, tuple(slice(None) for _ in abstract.shape)))
+    blocks: dict[tuple, np.ndarray] = {}
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in blocks:
+            blocks[key] = source.read(reader, index)
+        return blocks[key]
+
+    return jax.make_array_from_callback(abstract.shape, sharding, block)
+
+
+def _zeros(leaf):
+    """An abstract leaf as zeros with its sharding; anything else as it is."""
+    if not isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    sharding = getattr(leaf, "sharding", None)
+    make = jax.jit(lambda: jax.numpy.zeros(leaf.shape, leaf.dtype), out_shardings=sharding)
+    return make()
 
 
 def checkpoint_config(cfg: LlamaConfig, dtype: str) -> dict:
@@ -162,51 +248,80 @@ def save(
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,
 ) -> list[pathlib.Path]:
-    """Write `model` as a checkpoint directory at `path`, its weights in
-    `dtype`; returns the files written.
+    """Write `model` (plain, or sharded by `zpp_jax.shard` or `load`) as a
+    checkpoint directory at `path`, its weights in `dtype`; returns the
+    files written. Every process must call it; process 0 writes.
+
+    Memory: one tensor on each process's host at a time (a sharded one is
+    gathered to the host tensor by tensor); the whole model never is.
 
     Raises:
       UsageError: `path` holds files already (pass ``overwrite=True`` to
         replace them), or an unknown `dtype`.
     """
-    if dtype not in _DTYPES:
-        raise UsageError(f"dtype {dtype!r}: choose one of {sorted(_DTYPES)}")
+    if dtype not in DTYPES:
+        raise UsageError(f"dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     directory = pathlib.Path(path)
     if directory.exists() and any(directory.iterdir()) and not overwrite:
         raise UsageError(f"{directory} is not empty: save into a new directory, or overwrite=True")
-    directory.mkdir(parents=True, exist_ok=True)
-    by_path = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    tensors = {}
-    for name, key, transposed in tensor_names(model.cfg):
-        value = np.asarray(by_path[key].get_value(), np.float32)
-        tensors[name] = np.ascontiguousarray(value.T if transposed else value).astype(
-            _DTYPES[dtype]
-        )
-    written = [directory / "config.json"]
-    written[0].write_text(json.dumps(checkpoint_config(model.cfg, dtype), indent=2) + "\n")
-    return written + _write_shards(directory, tensors, max_shard_bytes)
+    tensors = _Tensors(model, dtype)
+    groups = plan_shards(tensors.sizes, max_shard_bytes)
+    files = [directory / name for name in shard_file_names(len(groups))]
+    lead = jax.process_index() == 0
+    if lead:
+        directory.mkdir(parents=True, exist_ok=True)
+        config = checkpoint_config(model.cfg, dtype)
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for names, file in zip(groups, files, strict=True):
+        part = {name: tensors.specs[name] for name in names}
+        if lead:
+            write_streamed(file, part, tensors.value)
+        else:  # the gathers are collective: every process takes part
+            for name in names:
+                tensors.value(name)
+    written = [directory / "config.json", *files]
+    if len(groups) > 1:
+        weight_map = {n: f.name for names, f in zip(groups, files, strict=True) for n in names}
+        index = {"metadata": {"total_size": sum(tensors.sizes.values())}, "weight_map": weight_map}
+        if lead:
+            (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        written.append(directory / INDEX)
+    return written
 
 
-def _write_shards(directory: pathlib.Path, tensors: dict, max_shard_bytes: int) -> list:
-    """The tensors in one file, or in shards of at most `max_shard_bytes`
-    (a larger tensor alone) with an index."""
-    shards: list[dict] = [{}]
-    for name, value in tensors.items():
-        size = sum(v.nbytes for v in shards[-1].values())
-        if shards[-1] and size + value.nbytes > max_shard_bytes:
-            shards.append({})
-        shards[-1][name] = value
-    metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], directory / WEIGHTS, metadata=metadata)
-        return [directory / WEIGHTS]
-    files, weight_map = [], {}
-    for i, shard in enumerate(shards, 1):
-        file = directory / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, file, metadata=metadata)
-        files.append(file)
-        weight_map |= {name: file.name for name in shard}
-    total = sum(v.nbytes for v in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    return [*files, directory / INDEX]
+class _Tensors:
+    """A model's parameters as the checkpoint's tensors in `dtype`: their
+    stored shapes (`specs`), byte `sizes`, and each one's host `value`."""
+
+    def __init__(self, model: Llama, dtype: str):
+        cfg = model.cfg
+        self._flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+        self._where = {
+            name: (key, layer, source)
+            for key, source in sources(cfg).items()
+            for layer, name in enumerate(source.names)
+        }
+        self.specs: dict[str, tuple[tuple[int, ...], str]] = {}
+        for name, _, _ in tensor_names(cfg):
+            key, _, source = self._where[name]
+            shape = source.stored_shape(self._flat[key].get_value().shape)
+            self.specs[name] = (shape, dtype)
+        itemsize = np.dtype(DTYPES[dtype]).itemsize
+        self.sizes = {n: int(np.prod(s)) * itemsize for n, (s, _) in self.specs.items()}
+
+    def value(self, name: str) -> np.ndarray:
+        """Tensor `name` on this host in fp32, as the checkpoint stores it."""
+        key, layer, source = self._where[name]
+        array = self._flat[key].get_value()
+        if source.stacked:
+            array = jax.jit(lambda a: a[layer])(array)
+        host = _on_host(array)
+        return host.T if source.transposed else host
+
+
+def _on_host(array: jax.Array) -> np.ndarray:
+    """`array` whole on this host as fp32 (gathered over the processes when
+    it is split between them)."""
+    if getattr(array, "is_fully_addressable", True):
+        return np.asarray(array, np.float32)
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True), np.float32)

@@ -1,0 +1,133 @@
+"""Safetensors weight files of a checkpoint directory: which file holds each
+tensor, slices read lazily, and tensors written one at a time.
+
+Reading goes through `safetensors.safe_open`, which maps the file and copies
+out only the slice asked for. Writing streams: the header is computed from
+the shapes first, then each tensor's bytes are appended as they come, so a
+writer holds one tensor at a time, never a whole shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import struct
+from collections.abc import Callable, Iterator
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+
+from zpp_jax.errors import UsageError
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Each tensor's file: from the index, or the one weights file.
+
+    Raises:
+      UsageError: neither file exists, or the index names a missing shard.
+    """
+    index = directory / INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = {name: directory / file for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise UsageError(f"{index} names the shard {file.name}, which does not exist")
+        return files
+    single = directory / WEIGHTS
+    if not single.is_file():
+        raise UsageError(f"{directory} has neither {WEIGHTS} nor {INDEX}")
+    with safe_open(single, "numpy") as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 - not a dict
+
+
+class TensorReader:
+    """Slices of the tensors of a checkpoint's files, each file opened once
+    (a context manager; the files close on exit)."""
+
+    def __init__(self, files: dict[str, pathlib.Path]):
+        self._files = files
+        self._stack = contextlib.ExitStack()
+        self._open: dict[pathlib.Path, object] = {}
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _handle(self, name: str):
+        file = self._files[name]
+        if file not in self._open:
+            self._open[file] = self._stack.enter_context(safe_open(file, "numpy"))
+        return self._open[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape `name` is stored with (reads the header only)."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """`name`'s elements at `index` (a tuple of slices; None: all). Only
+        the slice is copied out of the file."""
+        part = self._handle(name).get_slice(name)
+        return part[:] if index is None else part[index]
+
+
+def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names in order, grouped into files of at most
+    `max_shard_bytes` (a larger tensor alone in its file)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes.items():
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def write_streamed(
+    file: pathlib.Path,
+    specs: dict[str, tuple[tuple[int, ...], str]],
+    values: Callable[[str], np.ndarray],
+) -> None:
+    """Write a safetensors file of the tensors `specs` names ((shape, dtype
+    name) each), asking `values(name)` for each one's array in turn; only
+    one is held at a time."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (shape, dtype) in specs.items():
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+        header[name] = {
+            "dtype": _CODES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(file, "wb") as out:
+        out.write(struct.pack("<Q", len(encoded)))
+        out.write(encoded)
+        for name, (shape, dtype) in specs.items():
+            value = np.ascontiguousarray(values(name), DTYPES[dtype])
+            if value.shape != tuple(shape):
+                raise ValueError(f"{name}: got shape {value.shape}, declared {tuple(shape)}")
+            out.write(value.tobytes())
+
+
+def shard_file_names(count: int) -> Iterator[str]:
+    """The file names Hugging Face gives `count` weight files."""
+    if count == 1:
+        yield WEIGHTS
+        return
+    for i in range(1, count + 1):
+        yield f"model-{i:05d}-of-{count:05d}.safetensors"
