@@ -231,6 +231,7 @@ def test_each_family_becomes_a_llama_config():
     assert llama.rope_scaling == (32.0, 1.0, 4.0, 8192) and llama.dtype == "bfloat16"
     assert not llama.qkv_bias and llama.tie_embeddings and llama.head_dim == 64
     assert llama_config(parse_config(MISTRAL_7B), seq_len=4096).n_kv_heads == 8
+    assert llama_config(parse_config(MISTRAL_7B)).seq_len == 4096  # the window, not 32768
     with pytest.raises(UsageError, match="window of 4096 tokens, and sequences of 8192"):
         llama_config(parse_config(MISTRAL_7B), seq_len=8192)
 

@@ -12,13 +12,15 @@ def llama_config(
     cfg: CheckpointConfig, seq_len: int | None = None, dtype: str = "float32", scan: bool = False
 ) -> LlamaConfig:
     """The `LlamaConfig` of the model `cfg` describes, computing in `dtype`
-    on sequences of `seq_len` tokens (default: the checkpoint's longest).
+    on sequences of `seq_len` tokens (default: the checkpoint's longest, or its
+    attention window if that is shorter).
 
     Raises:
       UsageError: `seq_len` beyond the checkpoint's attention window (its
         sliding window, which the model does not implement).
     """
-    seq_len = cfg.max_positions if seq_len is None else seq_len
+    if seq_len is None:
+        seq_len = min(cfg.max_positions, cfg.sliding_window or cfg.max_positions)
     if cfg.sliding_window is not None and seq_len > cfg.sliding_window:
         raise UsageError(
             f"this {cfg.family} checkpoint attends within a window of {cfg.sliding_window} "
