@@ -8,16 +8,13 @@ import re
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors import safe_open
-from safetensors.numpy import save_file
+from hf_checkpoints import TINY, read_all, write_checkpoint
 
 from zpp_jax.errors import UsageError
 from zpp_jax.hf import CheckpointConfig, Rope, llama_config, load, parse_config, read_config, save
-from zpp_jax.hf.checkpoint import tensor_names
 from zpp_jax.models import Llama, LlamaConfig
 from zpp_jax.models.llama import rope_frequencies
 
@@ -275,74 +272,16 @@ def test_biases_and_tied_embeddings_shape_the_model():
 
 # -- weights in and out ---------------------------------------------------------------
 
-TINY = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_attention_heads": 4,
-    "num_hidden_layers": 2,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 16,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "vocab_size": 64,
-}
-
-
-def _write_checkpoint(directory, data=TINY, shards=1, drop=(), extra=()):
-    """A checkpoint as Hugging Face lays it out, written with safetensors and
-    numpy: random bf16 tensors under the family's names."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(data))
-    cfg = llama_config(parse_config(data))
-    rng = np.random.default_rng(0)
-    abstract = nnx.state(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))), nnx.Param)
-    by_path = dict(nnx.to_flat_state(abstract))
-    tensors = {}
-    for name, key, transposed in tensor_names(cfg):
-        shape = by_path[key].get_value().shape
-        value = rng.standard_normal(shape[::-1] if transposed else shape).astype(np.float32)
-        tensors[name] = value.astype(ml_dtypes.bfloat16)
-    for name in drop:
-        del tensors[name]
-    for name in extra:
-        tensors[name] = np.zeros(3, ml_dtypes.bfloat16)
-    names = list(tensors)
-    parts = [names[i::shards] for i in range(shards)]
-    if shards == 1:
-        save_file(tensors, directory / "model.safetensors")
-    else:
-        weight_map = {}
-        for i, part in enumerate(parts):
-            file = f"model-{i:05d}.safetensors"
-            save_file({n: tensors[n] for n in part}, directory / file)
-            weight_map |= {n: file for n in part}
-        (directory / "model.safetensors.index.json").write_text(
-            json.dumps({"weight_map": weight_map})
-        )
-    return tensors
-
-
-def _read_all(directory):
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(file, "numpy") as f:
-            out |= {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-    return out
-
 
 @pytest.mark.parametrize("shards", [1, 3])
 def test_a_load_and_save_round_trip_is_bit_for_bit(tmp_path, shards):
     """A bf16 checkpoint (one file, or shards with an index) loaded and saved
     in bf16 again: every tensor the same bits; saved in shards of at most
     4 KiB, it is split with an index, and loads to the same parameters."""
-    tensors = _write_checkpoint(tmp_path / "in", shards=shards)
+    tensors = write_checkpoint(tmp_path / "in", shards=shards)
     model = load(tmp_path / "in")
     save(model, tmp_path / "out", dtype="bfloat16")
-    got = _read_all(tmp_path / "out")
+    got = read_all(tmp_path / "out")
     assert set(got) == set(tensors)
     for name, value in tensors.items():
         assert got[name].dtype == value.dtype
@@ -375,20 +314,20 @@ def test_bad_checkpoints_are_named(tmp_path):
     (tmp_path / "empty" / "config.json").write_text(json.dumps(TINY))
     with pytest.raises(UsageError, match="has neither model.safetensors nor"):
         load(tmp_path / "empty")
-    _write_checkpoint(tmp_path / "missing", drop=["model.norm.weight"])
+    write_checkpoint(tmp_path / "missing", drop=["model.norm.weight"])
     with pytest.raises(UsageError, match="the checkpoint has no tensor model.norm.weight"):
         load(tmp_path / "missing")
-    _write_checkpoint(tmp_path / "extra", extra=["model.layers.9.mlp.up_proj.weight"])
+    write_checkpoint(tmp_path / "extra", extra=["model.layers.9.mlp.up_proj.weight"])
     with pytest.raises(UsageError, match="no place for: model.layers.9.mlp.up_proj.weight"):
         load(tmp_path / "extra")
-    _write_checkpoint(tmp_path / "shape", data={**TINY, "intermediate_size": 40})
+    write_checkpoint(tmp_path / "shape", data={**TINY, "intermediate_size": 40})
     (tmp_path / "shape" / "config.json").write_text(json.dumps(TINY))
     with pytest.raises(
         UsageError,
         match=r"gate_proj.weight has shape \(40, 32\), but config.json implies \(48, 32\)",
     ):
         load(tmp_path / "shape")
-    _write_checkpoint(tmp_path / "index", shards=2)
+    write_checkpoint(tmp_path / "index", shards=2)
     (tmp_path / "index" / "model-00001.safetensors").unlink()
     with pytest.raises(UsageError, match="names the shard model-00001.safetensors, which does not"):
         load(tmp_path / "index")
@@ -408,7 +347,7 @@ def test_a_sharded_load_reads_each_block_once_and_computes_the_same(tmp_path, mo
     from zpp_jax.hf.files import TensorReader
 
     data = {**TINY, "hidden_size": 64, "intermediate_size": 96, "vocab_size": 128}
-    _write_checkpoint(tmp_path / "in", data=data, shards=2)
+    write_checkpoint(tmp_path / "in", data=data, shards=2)
     plain = load(tmp_path / "in")
     read = []
     original = TensorReader.read
@@ -441,12 +380,53 @@ def test_a_sharded_or_scanned_model_saves_the_same_checkpoint(tmp_path):
     layers, writes the same tensors, bit for bit, as from the plain one."""
     import zpp_jax as zpp
 
-    tensors = _write_checkpoint(tmp_path / "in", shards=1)
+    tensors = write_checkpoint(tmp_path / "in", shards=1)
     mesh = zpp.make_mesh(2, 4)
     save(load(tmp_path / "in", mesh=mesh), tmp_path / "sharded", dtype="bfloat16")
     save(load(tmp_path / "in", scan=True), tmp_path / "scanned", dtype="bfloat16")
     for out in ("sharded", "scanned"):
-        got = _read_all(tmp_path / out)
+        got = read_all(tmp_path / out)
         assert set(got) == set(tensors)
         for name, value in tensors.items():
             np.testing.assert_array_equal(got[name].view(np.uint16), value.view(np.uint16))
+
+
+_TWO_PROCESSES = """
+import sys
+from zpp_jax.distributed import initialize
+initialize()
+from flax import nnx
+import zpp_jax as zpp
+from zpp_jax import hf
+model = hf.load(sys.argv[1], mesh=zpp.make_mesh(2, 4))
+embedding = model.embed.embedding.get_value()
+assert not embedding.is_fully_addressable  # this process holds half of it
+assert sum(s.data.size for s in embedding.addressable_shards) == embedding.size // 2
+hf.save(model, sys.argv[2], dtype="bfloat16", max_shard_bytes=8192)
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_load_their_halves_and_save_the_same_bits(tmp_path):
+    """Loaded over 2 processes x 4 devices, each process holds half of a
+    split parameter; saved again (gathered tensor by tensor, process 0
+    writing shards with an index), every tensor is the same bits."""
+    import subprocess
+    import sys
+
+    from zpp_jax.launch import free_port, process_env
+
+    tensors = write_checkpoint(tmp_path / "in", shards=2)
+    coordinator = f"127.0.0.1:{free_port()}"
+    args = [sys.executable, "-c", _TWO_PROCESSES, str(tmp_path / "in"), str(tmp_path / "out")]
+    procs = [
+        subprocess.Popen(args, env=process_env(i, 2, 4, coordinator), stderr=subprocess.PIPE)
+        for i in range(2)
+    ]
+    errors = [p.communicate(timeout=300)[1].decode()[-2000:] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    got = read_all(tmp_path / "out")
+    assert set(got) == set(tensors)
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(got[name].view(np.uint16), value.view(np.uint16))

@@ -11,9 +11,10 @@ at most `max_shard_bytes` with ``model.safetensors.index.json``. Loading
 then saving in the checkpoint's dtype gives its tensors back bit for bit.
 
 Memory: a plain `load` holds the model on the host in fp32. A sharded one
-holds, per process, its devices' blocks (fp32) plus the slice of one tensor
-being read. `save` holds one tensor at a time on the host (a sharded one is
-gathered tensor by tensor, and process 0 writes).
+holds, per process, its devices' blocks (fp32) plus one tensor being read
+(its file pages, and its blocks before they are placed). `save` holds one
+tensor at a time on the host (a sharded one is gathered tensor by tensor,
+and process 0 writes).
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ def load(
         _check_tensors(directory, files, plan, flat, reader)
         for key, source in plan.items():
             flat[key].set_value(_materialize(source, reader, flat[key].get_value()))
+            reader.release()  # the mapped pages of one tensor at a time
     rest = jax.tree.map(_zeros, rest)
     return nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())), rest)
 

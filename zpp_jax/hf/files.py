@@ -49,8 +49,12 @@ def weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
 
 
 class TensorReader:
-    """Slices of the tensors of a checkpoint's files, each file opened once
-    (a context manager; the files close on exit)."""
+    """Slices of the tensors of a checkpoint's files (a context manager;
+    the files close on exit, or on `release`).
+
+    An open file is mapped into memory, and the pages a read touches count
+    as the process's resident memory until the file closes: a reader that
+    calls `release` after each tensor keeps at most one tensor's pages."""
 
     def __init__(self, files: dict[str, pathlib.Path]):
         self._files = files
@@ -61,7 +65,13 @@ class TensorReader:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Close the open files (reopened on the next read)."""
         self._stack.close()
+        self._stack = contextlib.ExitStack()
+        self._open.clear()
 
     def _handle(self, name: str):
         file = self._files[name]
