@@ -43,15 +43,28 @@ from zpp_jax.unit import expect_units
 LossFn = Callable[[nnx.Module, dict], jax.Array]
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy of integer `targets` under `logits`, in fp32."""
+def cross_entropy(
+    logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None
+) -> jax.Array:
+    """Mean cross-entropy of integer `targets` under `logits`, in fp32;
+    with `weights` (one per target), the weighted mean
+    ``sum(w * nll) / sum(w)`` (0 when every weight is 0)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    if weights is None:
+        return jnp.mean(nll)
+    weights = weights.astype(jnp.float32)
+    total = jnp.sum(weights)
+    return jnp.where(total > 0, jnp.sum(weights * nll) / jnp.where(total > 0, total, 1.0), 0.0)
 
 
 def next_token_loss(model: nnx.Module, batch: dict) -> jax.Array:
-    """The default loss: ``cross_entropy(model(batch["inputs"]), batch["targets"])``."""
-    return cross_entropy(model(batch["inputs"]), batch["targets"])
+    """The default loss: ``cross_entropy(model(batch["inputs"]),
+    batch["targets"], batch.get("weights"))``: over the targets a batch of
+    fine-tuning examples weights (its completions), else over all of them.
+    With ``grad_accum`` micro-batches, a step's loss is the mean of each
+    micro-batch's weighted mean."""
+    return cross_entropy(model(batch["inputs"]), batch["targets"], batch.get("weights"))
 
 
 class Trainer:

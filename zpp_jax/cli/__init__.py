@@ -18,7 +18,7 @@ from zpp_jax.cli.args import Parser
 from zpp_jax.errors import Number, UsageError, count, positive
 from zpp_jax.fields import add_flags, flag_name, given_flags
 from zpp_jax.launch import RANGES as LAUNCH
-from zpp_jax.recipes.config import RunConfig, default_plot
+from zpp_jax.recipes.config import INIT_GIVES, RunConfig, default_plot, init_conflict
 
 # A run's defaults: the technique flags' too.
 _RUN = RunConfig()
@@ -139,6 +139,10 @@ def _run_config(args) -> tuple[RunConfig, dict]:
     """The RunConfig the `zpp train` flags describe (the mesh sizes the
     job's, once it is joined), and the flags given."""
     given = given_flags(RunConfig, args)
+    if "init" in given:
+        contradicting = [f"--{name}" for name in INIT_GIVES if name in given]
+        if contradicting:
+            raise UsageError(init_conflict(given["init"], contradicting))
     fields = dict(given)
     if "plot" not in given and given.get("metrics"):
         fields["plot"] = default_plot(given["metrics"])

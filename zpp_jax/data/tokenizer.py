@@ -41,6 +41,11 @@ class Tokenizer:
     def encode(self, data: bytes) -> np.ndarray:
         raise NotImplementedError
 
+    def encode_text(self, text: str, special: bool = False) -> np.ndarray:
+        """The ids of one piece of text, as int32; with `special`, the
+        tokens a tokenizer adds around a sequence (a BOS), if it has any."""
+        return self.encode(text.encode()).astype(np.int32)
+
     @property
     def token_bytes(self) -> np.ndarray:
         raise NotImplementedError
@@ -80,6 +85,9 @@ class HFTokenizer(Tokenizer):
         pieces = [p.decode("utf-8", errors="replace") for p in _pieces(data)]
         ids = [np.asarray(e.ids, self.dtype) for e in self.tok.encode_batch(pieces)]
         return np.concatenate(ids) if ids else np.zeros(0, self.dtype)
+
+    def encode_text(self, text: str, special: bool = False) -> np.ndarray:
+        return np.asarray(self.tok.encode(text, add_special_tokens=special).ids, np.int32)
 
     @property
     def token_bytes(self) -> np.ndarray:

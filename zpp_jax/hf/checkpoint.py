@@ -249,10 +249,13 @@ def save(
     dtype: str = "float32",
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,
+    extra: dict | None = None,
 ) -> list[pathlib.Path]:
     """Write `model` (plain, or sharded by `zpp_jax.shard` or `load`) as a
     checkpoint directory at `path`, its weights in `dtype`; returns the
-    files written. Every process must call it; process 0 writes.
+    files written. `extra` entries join config.json (the token ids
+    a checkpoint names: ``bos_token_id``, ``eos_token_id``). Every process
+    must call it; process 0 writes.
 
     Memory: one tensor on each process's host at a time (a sharded one is
     gathered to the host tensor by tensor); the whole model never is.
@@ -272,7 +275,7 @@ def save(
     lead = jax.process_index() == 0
     if lead:
         directory.mkdir(parents=True, exist_ok=True)
-        config = checkpoint_config(model.cfg, dtype)
+        config = {**checkpoint_config(model.cfg, dtype), **(extra or {})}
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for names, file in zip(groups, files, strict=True):
         part = {name: tensors.specs[name] for name in names}

@@ -61,6 +61,7 @@ class CheckpointConfig:
     tie_embeddings: bool
     dtype: str | None  # the dtype the weights were saved in, if it says
     sliding_window: int | None  # attention window, None: every position
+    eos_token_id: int | None = None  # the id that ends a sequence (the first, if several)
 
 
 def read_config(path: str | pathlib.Path) -> CheckpointConfig:
@@ -108,7 +109,15 @@ def parse_config(data: dict, source: str = "config.json") -> CheckpointConfig:
         tie_embeddings=bool(data.get("tie_word_embeddings", False)),
         dtype=data.get("dtype") or data.get("torch_dtype"),
         sliding_window=_sliding_window(data, family),
+        eos_token_id=_first_id(data.get("eos_token_id")),
     )
+
+
+def _first_id(value) -> int | None:
+    """An id of config.json, given as one int or a list of them."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) else None
 
 
 def _family(data: dict, source: str) -> tuple:

@@ -10,6 +10,7 @@ writer holds one tensor at a time, never a whole shard.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import pathlib
 import struct
@@ -88,6 +89,26 @@ class TensorReader:
         the slice is copied out of the file."""
         part = self._handle(name).get_slice(name)
         return part[:] if index is None else part[index]
+
+
+def fingerprint(directory: pathlib.Path, samples: int = 16, sample_bytes: int = 1 << 16) -> dict:
+    """What identifies a checkpoint by its content, cheaply: a SHA-256 of
+    its config.json and of each weight file's size, header, and `samples`
+    runs of `sample_bytes` spread through its data. Reads about 1 MiB per
+    file, whatever its size; two checkpoints that differ anywhere but
+    between the samples get different fingerprints."""
+    digest = hashlib.sha256((directory / "config.json").read_bytes())
+    for file in sorted(set(weight_files(directory).values())):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as f:
+            for offset in np.linspace(0, max(size - sample_bytes, 0), samples).astype(int):
+                f.seek(int(offset))
+                digest.update(f.read(sample_bytes))
+            f.seek(0)
+            (header,) = struct.unpack("<Q", f.read(8))
+            digest.update(f.read(min(header, 1 << 26)))
+    return {"sha256": digest.hexdigest()}
 
 
 def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:

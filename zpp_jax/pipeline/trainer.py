@@ -144,6 +144,7 @@ class PipelineTrainer:
 
     def _train_step(self, state: State, batch: dict) -> tuple[State, dict]:
         self.check_batch_size(batch["inputs"].shape[0])
+        _check_unweighted(batch)
         params = state["params"]
         residuals = state.get("residuals")
         loss, grads, residuals = self.pipe.value_grad_residuals(
@@ -173,7 +174,16 @@ class PipelineTrainer:
 
     def _eval_step(self, state: State, batch: dict) -> jax.Array:
         self.check_batch_size(batch["inputs"].shape[0])
+        _check_unweighted(batch)
         return self.pipe.loss(state["params"], batch["inputs"], batch["targets"])
+
+
+def _check_unweighted(batch: dict) -> None:
+    if "weights" in batch:
+        raise UsageError(
+            "the token pipeline trains on every token, and this batch weights its targets "
+            "(fine-tuning examples): train them without --stages"
+        )
 
 
 def _all_finite(state: State) -> jax.Array:

@@ -12,11 +12,12 @@ import pathlib
 
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import Number, UsageError, count, is_stream, positive
-from zpp_jax.fields import check_flags, option
+from zpp_jax.fields import check_flags, flag_name, option
 
 ARCHS = ("gpt", "llama")
 DTYPES = ("bfloat16", "float32", "float16")
 PIPELINE = "token pipeline (TeraPipe)"
+INIT_SEQ = 2048  # the longest default sequence of a run from a checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,11 +25,18 @@ class RunConfig:
     """One training run. The model is `arch` at size `model` (a preset)."""
 
     zero: ZeroPPConfig = ZeroPPConfig(comm_dtype="bfloat16")
+    init: str | None = option(
+        None,
+        "fine-tune the Hugging Face checkpoint in this directory (config.json, safetensors "
+        "weights, tokenizer.json; a Llama, Mistral or Qwen2): its architecture, weights and "
+        "tokenizer stand for --arch, --model and --tokenizer",
+    )
     arch: str = option("gpt", "the model family", choices=ARCHS)
     model: str = option("tiny", "size preset: tiny, small (both), 125m (gpt)")
     seq_len: int | None = option(
         None,
-        "sequence length (default: the preset's)",
+        "sequence length (default: the preset's; with --init, the checkpoint's, at most "
+        f"{INIT_SEQ})",
         type=count(why="tokens; leave it out for the preset's length"),
         name="--seq",
     )
@@ -56,7 +64,9 @@ class RunConfig:
     data: str | None = option(
         None,
         "train on this instead of the Python standard library's source: a text file, a "
-        "directory or glob of text files, or token files (.bin uint16, .npy uint16/uint32)",
+        "directory or glob of text files, token files (.bin uint16, .npy uint16/uint32), or "
+        'fine-tuning examples (.jsonl: {"prompt", "completion"}, the loss on the completion '
+        'only, or {"text"})',
     )
     val_data: str | None = option(None, "validation data (default: the last 5% of --data)")
     tokenizer: str = option(
@@ -119,6 +129,15 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_flags(self)
+        if self.init is not None:
+            fields = {f.name: f for f in dataclasses.fields(self)}
+            given = [
+                flag_name(fields[name])
+                for name in INIT_GIVES
+                if getattr(self, name) != fields[name].default
+            ]
+            if given:
+                raise UsageError(init_conflict(self.init, given))
         if self.grad_accum > self.batch:
             raise UsageError(
                 f"--grad-accum {self.grad_accum} splits --batch {self.batch} into more "
@@ -140,6 +159,26 @@ class RunConfig:
                 "--slices, --cost and --no-stage-zero set up the token pipeline: pass "
                 "--stages K (K > 1) with them"
             )
+
+    @property
+    def tokenizer_spec(self) -> str:
+        """The tokenizer the run uses: the checkpoint's with `init`."""
+        if self.init is not None:
+            return str(pathlib.Path(self.init) / "tokenizer.json")
+        return self.tokenizer
+
+
+# The settings a checkpoint (`RunConfig.init`) gives, so that none may be set.
+INIT_GIVES = ("arch", "model", "tokenizer")
+
+
+def init_conflict(init: str, flags: list[str]) -> str:
+    """The refusal of `flags` that contradict ``--init``."""
+    it = "them" if len(flags) > 1 else "it"
+    return (
+        f"--init {init} takes the architecture, size and tokenizer from the checkpoint, "
+        f"so {', '.join(flags)} would contradict it; drop {it}"
+    )
 
 
 def parse_slices(text: str) -> str | int | tuple[int, ...]:

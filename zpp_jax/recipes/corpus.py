@@ -12,6 +12,7 @@ from typing import Any
 
 from zpp_jax.data import TokenDataset, TokenFiles, Tokenizer, expand, make_tokenizer, read_text
 from zpp_jax.data.corpus import is_token_files, stdlib_corpus
+from zpp_jax.data.examples import ExampleDataset, encode_records, read_records
 from zpp_jax.errors import UsageError
 
 VAL_FRACTION = 0.05
@@ -37,7 +38,7 @@ class Corpus:
 
 def load(cfg, warn=print) -> Corpus:
     """Read `cfg.data` (default: the Python standard library's source) and
-    `cfg.val_data`, and tokenize text with `cfg.tokenizer`. On resume a
+    `cfg.val_data`, and tokenize text with `cfg.tokenizer_spec`. On resume a
     ``bpe:N`` tokenizer is the one saved in `cfg.ckpt_dir`, not a new one.
 
     Data that does not look like text (`zpp_jax.data.corpus.text_problem`)
@@ -46,6 +47,11 @@ def load(cfg, warn=print) -> Corpus:
     saved = _saved_tokenizer(cfg) if cfg.resume else None
     train_files = expand(cfg.data) if cfg.data else None
     val_files = expand(cfg.val_data) if cfg.val_data else None
+    jsonl = {_is_jsonl(f) for f in (train_files, val_files) if f is not None}
+    if len(jsonl) > 1:
+        raise UsageError("--data and --val-data must both be fine-tuning examples (.jsonl) or not")
+    if jsonl == {True}:
+        return _examples(cfg, train_files, val_files, saved)
     kinds = {is_token_files(f) for f in (train_files, val_files) if f is not None}
     if len(kinds) > 1:
         raise UsageError("--data and --val-data must both be text or both token files")
@@ -60,7 +66,7 @@ def load(cfg, warn=print) -> Corpus:
         split = int(len(text) * (1 - VAL_FRACTION))
         train_text, val_text = text[:split], text[split:]
     _check_text(cfg, not_text, warn)
-    tokenizer = make_tokenizer(cfg.tokenizer, train_text, saved)
+    tokenizer = make_tokenizer(cfg.tokenizer_spec, train_text, saved)
     _check_saved(cfg, tokenizer, saved)
     digest = hashlib.sha256(text + (val_text if val_files else b"")).hexdigest()
     train, val = tokenizer.encode(train_text), tokenizer.encode(val_text)
@@ -70,13 +76,75 @@ def load(cfg, warn=print) -> Corpus:
     return Corpus(tokenizer, train, val, fingerprint, source)
 
 
+def _is_jsonl(files: list[pathlib.Path]) -> bool:
+    """Fine-tuning examples: every file .jsonl (a mix is refused)."""
+    kinds = {f.suffix == ".jsonl" for f in files}
+    if len(kinds) > 1:
+        raise UsageError("--data mixes .jsonl fine-tuning examples with other files: pass one kind")
+    return kinds == {True}
+
+
+@dataclasses.dataclass
+class Examples:
+    """Fine-tuning examples (`zpp_jax.data.examples`), encoded: the
+    `Corpus` interface."""
+
+    tokenizer: Tokenizer
+    train: list
+    val: list
+    fingerprint: dict
+    source: str
+    pad_id: int
+
+    def dataset(self, seq_len: int, vocab_size: int) -> ExampleDataset:
+        return ExampleDataset(self.train, self.val, seq_len, vocab_size, self.pad_id)
+
+
+def _examples(cfg, train_files, val_files, saved) -> Examples:
+    """JSONL records, encoded with the run's tokenizer (a ``bpe:N`` one
+    trained on their text), ended by the checkpoint's end-of-sequence id
+    with --init; the validation split is --val-data's records, or the
+    last 5% of --data's (at least one)."""
+    records = read_records(train_files)
+    if val_files:
+        val_records = read_records(val_files)
+    else:
+        if len(records) < 2:
+            raise UsageError(f"--data {cfg.data}: one record; a validation split needs two")
+        cut = len(records) - max(1, int(len(records) * VAL_FRACTION))
+        records, val_records = records[:cut], records[cut:]
+    text = "\n".join(v for r in records for v in r.values()).encode()
+    tokenizer = make_tokenizer(cfg.tokenizer_spec, text, saved)
+    _check_saved(cfg, tokenizer, saved)
+    eos = _eos_id(cfg)
+    digest = hashlib.sha256()
+    for file in [*train_files, *(val_files or [])]:
+        digest.update(file.read_bytes())
+    return Examples(
+        tokenizer,
+        encode_records(records, tokenizer, eos),
+        encode_records(val_records, tokenizer, eos),
+        {"examples": len(records) + len(val_records), "sha256": digest.hexdigest()},
+        f"{len(records) + len(val_records)} fine-tuning examples",
+        0 if eos is None else eos,
+    )
+
+
+def _eos_id(cfg) -> int | None:
+    if cfg.init is None:
+        return None
+    from zpp_jax.hf.config import read_config
+
+    return read_config(cfg.init).eos_token_id
+
+
 def _check_text(cfg, not_text: list[str], warn) -> None:
     if not not_text or cfg.accept_binary:
         return
     more = f" (and {len(not_text) - 1} more files)" if len(not_text) > 1 else ""
-    if cfg.tokenizer != "byte":
+    if cfg.tokenizer_spec != "byte":
         raise UsageError(
-            f"--data {not_text[0]}{more}: --tokenizer {cfg.tokenizer} reads text; pass "
+            f"--data {not_text[0]}{more}: --tokenizer {cfg.tokenizer_spec} reads text; pass "
             "--accept-binary to train on these bytes anyway, or --tokenizer byte"
         )
     warn(
@@ -85,12 +153,12 @@ def _check_text(cfg, not_text: list[str], warn) -> None:
 
 
 def _token_files(cfg, train_files, val_files, saved) -> Corpus:
-    if cfg.tokenizer.startswith("bpe:"):
+    if cfg.tokenizer_spec.startswith("bpe:"):
         raise UsageError(
-            f"--tokenizer {cfg.tokenizer} trains on text, and --data {cfg.data} holds token "
+            f"--tokenizer {cfg.tokenizer_spec} trains on text, and --data {cfg.data} holds token "
             "files: pass the tokenizer.json that made them (--tokenizer PATH), or byte"
         )
-    tokenizer = make_tokenizer(cfg.tokenizer, None, saved)
+    tokenizer = make_tokenizer(cfg.tokenizer_spec, None, saved)
     _check_saved(cfg, tokenizer, saved)
     train = TokenFiles(train_files)
     val = TokenFiles(val_files) if val_files else None
@@ -100,9 +168,10 @@ def _token_files(cfg, train_files, val_files, saved) -> Corpus:
     return Corpus(tokenizer, train, val, fingerprint, f"{len(train_files)} token files")
 
 
-def bytes_per_token(data: TokenDataset, tokenizer: Tokenizer) -> float:
-    """Mean bytes per token of the validation split: a loss in nats per
-    token over this times ln 2 is bits per byte."""
+def bytes_per_token(data: TokenDataset | ExampleDataset, tokenizer: Tokenizer) -> float:
+    """Mean bytes per token of the validation split (per learned token of
+    examples): a loss in nats per token over this times ln 2 is bits per
+    byte."""
     return data.bytes_per_token("val", tokenizer.token_bytes)
 
 
@@ -124,14 +193,14 @@ def _check_saved(cfg, tokenizer: Tokenizer, saved: pathlib.Path | None) -> None:
     if saved is None:
         if cfg.resume and tokenizer.to_json() is not None and _has_checkpoints(cfg):
             raise UsageError(
-                f"--resume: --tokenizer {cfg.tokenizer} does not match the checkpoints in "
+                f"--resume: --tokenizer {cfg.tokenizer_spec} does not match the checkpoints in "
                 f"{cfg.ckpt_dir}, which were trained on bytes (no {TOKENIZER_FILE}); resume "
                 "with --tokenizer byte or start a new run in another --ckpt-dir"
             )
         return
     if tokenizer.to_json() != saved.read_text():
         raise UsageError(
-            f"--resume: --tokenizer {cfg.tokenizer} does not match {saved}, the tokenizer the "
+            f"--resume: --tokenizer {cfg.tokenizer_spec} does not match {saved}, the tokenizer the "
             f"checkpoints were trained with; resume with --tokenizer {saved} (or the spec the "
             "run started with) or start a new run in another --ckpt-dir"
         )

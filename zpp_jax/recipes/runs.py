@@ -57,6 +57,7 @@ _NOT_IDENTITY = frozenset(
     {
         "steps",
         "data",  # the corpus counts by its content, wherever it lies
+        "init",  # so does the initial checkpoint
         "val_data",
         "tokenizer",  # by its content too (a path, or bpe:N trained again)
         "accept_binary",
@@ -76,11 +77,12 @@ _NOT_IDENTITY = frozenset(
 )
 
 
-def identity(cfg: Any, corpus: dict, tokenizer: dict) -> dict[str, Any]:
+def identity(cfg: Any, corpus: dict, tokenizer: dict, init: dict | None = None) -> dict[str, Any]:
     """The run's identity: every `RunConfig` field that changes the math
-    (the ZeRO++ configuration included, the mesh not), the tokenizer and
-    the corpus by their content (`Tokenizer.fingerprint`, the corpus's
-    length and SHA-256), not by their paths."""
+    (the ZeRO++ configuration included, the mesh not), the tokenizer, the
+    corpus and the initial checkpoint (`init`: `zpp_jax.hf.fingerprint`)
+    by their content (`Tokenizer.fingerprint`, the corpus's length and
+    SHA-256), not by their paths."""
     out = {
         f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in _NOT_IDENTITY
     }
@@ -90,6 +92,8 @@ def identity(cfg: Any, corpus: dict, tokenizer: dict) -> dict[str, Any]:
     }
     out["tokenizer"] = tokenizer
     out["corpus"] = corpus
+    if init is not None:
+        out["init"] = init
     return json.loads(json.dumps(out))  # as it reads back from a checkpoint
 
 
@@ -108,6 +112,23 @@ def differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = ""
 # -- paths --------------------------------------------------------------------------
 
 
+def check_init(init: str) -> None:
+    """Raise UsageError unless `init` is a checkpoint directory of a
+    supported family (its config.json) with a tokenizer.json (the weights
+    are checked when they are read)."""
+    from zpp_jax.hf.config import read_config
+
+    try:
+        read_config(init)
+    except UsageError as e:
+        raise UsageError(f"--init: {e}") from None
+    if not (pathlib.Path(init) / "tokenizer.json").is_file():
+        raise UsageError(
+            f"--init {init} has no tokenizer.json: copy the checkpoint's tokenizer.json there "
+            "(a run from a checkpoint uses its tokenizer)"
+        )
+
+
 def check_paths(cfg: Any) -> None:
     """Raise UsageError, naming the path and the problem, unless the data is
     a readable file and the metrics, plot and checkpoint locations can be
@@ -122,7 +143,10 @@ def check_paths(cfg: Any) -> None:
         for path in files:
             if not os.access(path, os.R_OK):
                 raise UsageError(f"{flag} {path}: not readable")
-    check_spec(cfg.tokenizer)
+    if cfg.init is not None:
+        check_init(cfg.init)
+    else:
+        check_spec(cfg.tokenizer)
     if cfg.metrics and is_stream(cfg.metrics):
         check_stream("--metrics", cfg.metrics)
     elif cfg.metrics:

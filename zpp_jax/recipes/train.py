@@ -35,6 +35,7 @@ from flax import nnx
 from zpp_jax.analysis import summarize
 from zpp_jax.checkpoint import Checkpointer
 from zpp_jax.data import BatchLoader, TokenDataset, local_rows
+from zpp_jax.data.examples import ExampleDataset
 from zpp_jax.data.tokenizer import bpe_size
 from zpp_jax.errors import INT32_MAX, UsageError
 from zpp_jax.mesh import make_mesh
@@ -42,13 +43,24 @@ from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
 from zpp_jax.pipeline.planner import folded
 from zpp_jax.preemption import Stopped, StopRequest
 from zpp_jax.recipes import corpus, runs
-from zpp_jax.recipes.config import RunConfig, parse_slices
+from zpp_jax.recipes.config import INIT_SEQ, RunConfig, parse_slices
 from zpp_jax.train import Trainer
 
 # -- build ----------------------------------------------------------------------
 
 
 def model_config(cfg: RunConfig) -> GPTConfig | LlamaConfig:
+    """The run's model: `arch` at preset `model`, with the tokenizer's
+    vocabulary; with `init`, the checkpoint's own (its vocabulary kept)."""
+    if cfg.init is not None:
+        from zpp_jax.hf import llama_config, read_config
+
+        checkpoint = read_config(cfg.init)
+        seq_len = cfg.seq_len
+        if seq_len is None:
+            window = checkpoint.sliding_window or checkpoint.max_positions
+            seq_len = min(checkpoint.max_positions, window, INIT_SEQ)
+        return llama_config(checkpoint, seq_len, cfg.compute_dtype)
     config_class = GPTConfig if cfg.arch == "gpt" else LlamaConfig
     model_cfg = config_class.preset(cfg.model, dtype=cfg.compute_dtype)
     if cfg.vocab_size is not None:
@@ -59,9 +71,23 @@ def model_config(cfg: RunConfig) -> GPTConfig | LlamaConfig:
 
 
 def make_model(cfg: RunConfig) -> nnx.Module:
-    """The run's model, its parameters drawn from `cfg.seed`."""
-    model_class = GPT if cfg.arch == "gpt" else Llama
-    return model_class(model_config(cfg), nnx.Rngs(cfg.seed))
+    """The run's model, its parameters drawn from `cfg.seed`, or with
+    `init` read from the checkpoint."""
+    if cfg.init is not None:
+        from zpp_jax import hf
+
+        model_cfg = model_config(cfg)
+        return hf.load(cfg.init, dtype=model_cfg.dtype, seq_len=model_cfg.seq_len)
+    return model_class(cfg)(model_config(cfg), nnx.Rngs(cfg.seed))
+
+
+def model_class(cfg: RunConfig) -> type:
+    return Llama if cfg.init is not None or cfg.arch == "llama" else GPT
+
+
+def model_name(cfg: RunConfig) -> str:
+    """What the log calls the model."""
+    return f"checkpoint {cfg.init}" if cfg.init is not None else f"{cfg.arch} {cfg.model}"
 
 
 def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
@@ -243,7 +269,9 @@ def build(cfg: RunConfig, log=print) -> Job:
     trainer.check_batch_size(cfg.batch)
     checkpointer = Checkpointer(cfg.ckpt_dir) if cfg.ckpt_dir else None
     state, position = None, 0
-    run_identity = runs.identity(cfg, text.fingerprint, text.tokenizer.fingerprint())
+    run_identity = runs.identity(
+        cfg, text.fingerprint, text.tokenizer.fingerprint(), _init_fingerprint(cfg)
+    )
     if cfg.resume:
         restored = runs.restore_latest_intact(
             checkpointer, trainer.abstract_state(), run_identity, log
@@ -273,12 +301,7 @@ def build(cfg: RunConfig, log=print) -> Job:
     job.slicing = slicing
     job.val_bytes_per_token = corpus.bytes_per_token(data, text.tokenizer)
     rows = local_rows(trainer.batch_sharding(), (cfg.batch, model_cfg.seq_len))
-    tok = text.tokenizer
-    job.corpus = (
-        f"{text.source}, tokenizer {cfg.tokenizer} ({tok.vocab_size} ids); "
-        f"{len(data.splits['train']):,} train and {len(data.splits['val']):,} validation "
-        f"tokens; this process reads {len(rows)} of the {cfg.batch} rows of a batch"
-    )
+    job.corpus = _describe_data(cfg, text, data, len(rows), log)
     if jax.process_count() > 1:  # every process says what it reads, even with --quiet
         print(
             f"zpp train: process {jax.process_index()} of {jax.process_count()} reads rows "
@@ -297,6 +320,29 @@ def build(cfg: RunConfig, log=print) -> Job:
     moved = summarize(job.train_step.as_text(), cfg.local)
     job.cross_node_bytes, job.intra_node_bytes = moved.cross_node_bytes, moved.intra_node_bytes
     return job
+
+
+def _describe_data(cfg: RunConfig, text, data, rows: int, log) -> str:
+    """The data, for the log; warns of examples cut to the sequence length."""
+    unit = "examples" if isinstance(data, ExampleDataset) else "tokens"
+    if isinstance(data, ExampleDataset) and data.truncated["train"]:
+        log(
+            f"warning: {data.truncated['train']} training examples are longer than --seq "
+            f"{data.seq_len} + 1 tokens and are cut there"
+        )
+    return (
+        f"{text.source}, tokenizer {cfg.tokenizer_spec} ({text.tokenizer.vocab_size} ids); "
+        f"{len(data.splits['train']):,} train and {len(data.splits['val']):,} validation "
+        f"{unit}; this process reads {rows} of the {cfg.batch} rows of a batch"
+    )
+
+
+def _init_fingerprint(cfg: RunConfig) -> dict | None:
+    if cfg.init is None:
+        return None
+    from zpp_jax.hf.files import fingerprint
+
+    return fingerprint(pathlib.Path(cfg.init))
 
 
 def _mesh_text(shape: dict | None) -> str:
@@ -532,7 +578,8 @@ def _train(job: Job, stop: StopRequest) -> list[dict]:
     output = Output(cfg, job.position)
     if job.position:
         output.log(f"resumed at batch {job.position} from {cfg.ckpt_dir}")
-    abstract = nnx.eval_shape(lambda: make_model(cfg))
+    model_cfg = job.model_cfg
+    abstract = nnx.eval_shape(lambda: model_class(cfg)(model_cfg, nnx.Rngs(0)))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     mesh = f"{cfg.nodes} x {cfg.local}"
     if cfg.stages > 1:
@@ -546,7 +593,7 @@ def _train(job: Job, stop: StopRequest) -> list[dict]:
         if job.train_step is not None
         else ""
     )
-    output.log(f"{cfg.arch} {cfg.model}: {params:,} parameters; mesh {mesh}{moved}")
+    output.log(f"{model_name(cfg)}: {params:,} parameters; mesh {mesh}{moved}")
     output.log(f"data: {job.corpus}")
     records, finished = [], False
     try:

@@ -1,0 +1,142 @@
+"""Fine-tuning a Hugging Face checkpoint: `zpp train --init` on JSONL
+examples (the loss on completions only), the run identity holding the
+checkpoint, and the flags that contradict it refused."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from zpp_jax import hf
+from zpp_jax.cli import main
+from zpp_jax.data.examples import ExampleDataset, encode_records, read_records
+from zpp_jax.data.tokenizer import ByteTokenizer, train_bpe
+from zpp_jax.errors import UsageError
+from zpp_jax.models import Llama, LlamaConfig
+from zpp_jax.recipes import RunConfig
+from zpp_jax.recipes import corpus as run_corpus
+from zpp_jax.train import cross_entropy
+
+EOS = 299
+WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+
+
+def _records(n=48):
+    out = []
+    for i in range(n):
+        a, b = i % 10, (3 * i) % 10
+        out.append({"prompt": f"add {WORDS[a]} and {WORDS[b]}:", "completion": f" {a + b}"})
+    return out
+
+
+def write_finetune(directory, seed=0):
+    """A tiny Llama checkpoint with a BPE tokenizer.json, and JSONL data."""
+    text = " ".join(f"{r['prompt']}{r['completion']}" for r in _records()).encode() * 4
+    tokenizer = train_bpe(text, 296)
+    cfg = LlamaConfig(vocab_size=304, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, seq_len=64)
+    hf.save(Llama(cfg, nnx.Rngs(seed)), directory / "ckpt", extra={"eos_token_id": EOS})
+    tokenizer.save(directory / "ckpt" / "tokenizer.json")
+    lines = "\n".join(json.dumps(r) for r in _records())
+    (directory / "data.jsonl").write_text(lines + "\n")
+    return directory / "ckpt", directory / "data.jsonl"
+
+
+def test_examples_weigh_the_completion_tokens_only():
+    records = [{"prompt": "ab", "completion": "cd"}, {"text": "xyz"}]
+    (ids, learned), (text_ids, text_learned) = encode_records(records, ByteTokenizer(), 7)
+    np.testing.assert_array_equal(ids, [97, 98, 99, 100, 7])
+    np.testing.assert_array_equal(learned, [0, 0, 1, 1, 1])
+    np.testing.assert_array_equal(text_learned, [0, 1, 1, 1])
+    data = ExampleDataset([(ids, learned)], [(text_ids, text_learned)], seq_len=6)
+    batch = data.batch("train", 0, 2, seed=0)
+    np.testing.assert_array_equal(batch["inputs"][0], [97, 98, 99, 100, 7, 0])
+    np.testing.assert_array_equal(batch["targets"][0], [98, 99, 100, 7, 0, 0])
+    np.testing.assert_array_equal(batch["weights"][0], [0, 1, 1, 1, 0, 0])
+    # The weighted loss is the mean over the learned targets alone.
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((1, 6, 256)), jnp.float32)
+    weights = jnp.asarray(batch["weights"][:1])
+    targets = jnp.asarray(batch["targets"][:1])
+    nll = -jnp.take_along_axis(jax_log_softmax(logits), targets[..., None], -1)[..., 0]
+    want = float(nll[0, 1:4].mean())
+    assert float(cross_entropy(logits, targets, weights)) == pytest.approx(want, rel=1e-6)
+
+
+def jax_log_softmax(x):
+    import jax
+
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def test_bad_records_are_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"question": "a"}\n')
+    with pytest.raises(UsageError, match=r"bad.jsonl:2: a record is .*got \['question'\]"):
+        read_records([bad])
+    bad.write_text("{not json\n")
+    with pytest.raises(UsageError, match="bad.jsonl:1: not JSON"):
+        read_records([bad])
+
+
+def _train(tmp_path, ckpt, data, *extra):
+    args = ["train", "--init", str(ckpt), "--data", str(data), "--quiet", "--seq", "24"]
+    args += ["--batch", "8", "--steps", "6", "--eval-every", "0", "--lr", "1e-2", "--warmup", "1"]
+    args += ["--zero3", "--comm-dtype", "float32", "--compute-dtype", "float32"]
+    return main([*args, *extra])
+
+
+def test_train_from_a_checkpoint_starts_from_its_weights(tmp_path, capfd):
+    """The first step's loss is the checkpoint's own loss on the first batch
+    (the weights, tokenizer and completion-only weights all as loaded), in
+    ZeRO-3's exact mode; the loss falls; the identity holds the checkpoint."""
+    ckpt, data = write_finetune(tmp_path)
+    metrics = tmp_path / "m.jsonl"
+    assert (
+        _train(tmp_path, ckpt, data, "--metrics", str(metrics), "--ckpt-dir", str(tmp_path / "run"))
+        == 0
+    )
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    cfg = RunConfig(init=str(ckpt), data=str(data), seq_len=24, batch=8)
+    examples = run_corpus.load(cfg)
+    batch = examples.dataset(24, 304).batch("train", 0, 8, seed=0)
+    assert batch["weights"].sum() > 0 and (batch["inputs"][:, 0] == batch["inputs"][0, 0]).all()
+    model = hf.load(ckpt, seq_len=24)
+    want = cross_entropy(model(jnp.asarray(batch["inputs"])), batch["targets"], batch["weights"])
+    assert losses[0] == pytest.approx(float(want), rel=1e-5)
+    assert losses[-1] < losses[0]
+    # --resume with another checkpoint is refused: the identity holds the first.
+    other, _ = write_finetune(tmp_path / "other", seed=1)
+    capfd.readouterr()
+    code = main(
+        ["train", "--init", str(other), "--data", str(data), "--quiet", "--seq", "24"]
+        + ["--batch", "8", "--steps", "7", "--eval-every", "0", "--lr", "1e-2", "--warmup", "1"]
+        + ["--zero3", "--comm-dtype", "float32", "--compute-dtype", "float32"]
+        + ["--ckpt-dir", str(tmp_path / "run"), "--resume"]
+    )
+    err = capfd.readouterr().err
+    assert code == 2 and "init.sha256" in err, err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model", "tiny"], "so --model would contradict it; drop it"),
+        (["--arch", "llama", "--tokenizer", "byte"], "so --arch, --tokenizer would contradict"),
+    ],
+)
+def test_flags_that_contradict_the_checkpoint_are_refused(tmp_path, capfd, flags, message):
+    ckpt, data = write_finetune(tmp_path)
+    code = main(["train", "--init", str(ckpt), "--data", str(data), *flags])
+    err = capfd.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_without_a_tokenizer_or_config_is_refused(tmp_path, capfd):
+    ckpt, data = write_finetune(tmp_path)
+    (ckpt / "tokenizer.json").unlink()
+    assert main(["train", "--init", str(ckpt), "--data", str(data)]) == 2
+    assert "has no tokenizer.json" in capfd.readouterr().err
+    assert main(["train", "--init", str(tmp_path / "nothing"), "--data", str(data)]) == 2
+    assert "a Hugging Face checkpoint has a config.json" in capfd.readouterr().err
