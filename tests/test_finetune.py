@@ -105,6 +105,7 @@ def test_train_from_a_checkpoint_starts_from_its_weights(tmp_path, capfd):
     want = cross_entropy(model(jnp.asarray(batch["inputs"])), batch["targets"], batch["weights"])
     assert losses[0] == pytest.approx(float(want), rel=1e-5)
     assert losses[-1] < losses[0]
+    _check_export(tmp_path, examples.dataset(24, 304), metrics, capfd)
     # --resume with another checkpoint is refused: the identity holds the first.
     other, _ = write_finetune(tmp_path / "other", seed=1)
     capfd.readouterr()
@@ -116,6 +117,31 @@ def test_train_from_a_checkpoint_starts_from_its_weights(tmp_path, capfd):
     )
     err = capfd.readouterr().err
     assert code == 2 and "init.sha256" in err, err
+
+
+def _check_export(tmp_path, data, metrics, capfd):
+    """zpp export writes the trained weights: the exported checkpoint's
+    validation loss is the one the run reported at its last step; the
+    tokenizer and the end-of-sequence id come along; a non-empty output is
+    refused."""
+    out = tmp_path / "exported"
+    run = str(tmp_path / "run")
+    assert main(["export", "--ckpt-dir", run, "--hf", str(out), "--dtype", "float32"]) == 0
+    last = json.loads(metrics.read_text().splitlines()[-1])
+    model = hf.load(out, seq_len=24)
+    losses = []
+    for i in range(4):  # --eval-batches 4
+        batch = data.batch("val", i, 8, seed=0)
+        logits = model(jnp.asarray(batch["inputs"]))
+        losses.append(float(cross_entropy(logits, batch["targets"], batch["weights"])))
+    assert np.mean(losses) == pytest.approx(last["val_loss"], rel=1e-5)
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == EOS
+    assert (out / "tokenizer.json").read_text() == (
+        tmp_path / "ckpt" / "tokenizer.json"
+    ).read_text()
+    capfd.readouterr()
+    assert main(["export", "--ckpt-dir", run, "--hf", str(out)]) == 2
+    assert "is not empty: write into a new directory, or pass --overwrite" in capfd.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -205,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_parser(sub)
     _profile_parser(sub)
     _demo_parser(sub)
+    _export_parser(sub)
     return parser
 
 
@@ -404,6 +405,37 @@ def _profile_parser(sub) -> None:
     )
     prof.add_argument("--out", default="cost.json")
     prof.set_defaults(func=_profile)
+
+
+def _export_parser(sub) -> None:
+    export = sub.add_parser(
+        "export",
+        help="write a run's checkpoint as a Hugging Face checkpoint (config.json, safetensors, "
+        "tokenizer.json) that transformers' from_pretrained reads",
+    )
+    export.add_argument("--ckpt-dir", required=True, help="the run's checkpoint directory")
+    export.add_argument("--hf", required=True, metavar="OUT", help="the directory to write")
+    export.add_argument(
+        "--step", type=count(0, why="a checkpoint's step"), help="(default: the newest)"
+    )
+    export.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32", "float16"),
+        help="the weights' dtype (default bfloat16)",
+    )
+    export.add_argument("--overwrite", action="store_true", help="replace what --hf holds")
+    export.set_defaults(func=_export)
+
+
+def _export(args) -> int:
+    from zpp_jax.recipes.export import export_hf
+
+    written = export_hf(
+        args.ckpt_dir, args.hf, step=args.step, dtype=args.dtype, overwrite=args.overwrite
+    )
+    print(f"zpp export: wrote {len(written)} files to {args.hf}", file=sys.stderr)
+    return 0
 
 
 def _demo_parser(sub) -> None:

@@ -1,0 +1,131 @@
+"""What `zpp export` runs: a run's checkpoint as a Hugging Face checkpoint.
+
+A run of a Llama-family model keeps the model's ``config.json`` in its
+checkpoint directory (beside ``tokenizer.json``): the one of the checkpoint
+it started from (``--init``), or the one of its preset. With the run's
+identity (saved in each checkpoint) that says how to rebuild the state's
+structure; the checkpoint is restored onto a mesh of its own shape, and
+its parameters written with `zpp_jax.hf.save`, the tokenizer copied beside
+them.
+
+Memory: the restored state (parameters and optimizer state) on the mesh's
+devices, and one tensor at a time on the host while writing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import shutil
+
+from zpp_jax.config import ZeroPPConfig
+from zpp_jax.errors import UsageError
+from zpp_jax.recipes.config import RunConfig
+
+CONFIG_FILE = "config.json"  # in --ckpt-dir: the model's Hugging Face config
+
+
+def save_model_config(cfg: RunConfig, model_cfg) -> None:
+    """Keep the model's config.json in the run's checkpoint directory (for
+    `export_hf`): the initial checkpoint's, or, for a Llama preset, the one
+    `zpp_jax.hf.save` would write. A GPT has none."""
+    if not cfg.ckpt_dir or (cfg.init is None and cfg.arch != "llama"):
+        return
+    target = pathlib.Path(cfg.ckpt_dir) / CONFIG_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if cfg.init is not None:
+        shutil.copyfile(pathlib.Path(cfg.init) / CONFIG_FILE, target)
+    else:
+        from zpp_jax.hf.checkpoint import checkpoint_config
+
+        target.write_text(json.dumps(checkpoint_config(model_cfg, "float32"), indent=2) + "\n")
+
+
+def run_config_of(identity: dict) -> RunConfig:
+    """The `RunConfig` a checkpoint's identity describes (the fields that
+    shape its state: the ZeRO++ configuration, the optimizer's settings)."""
+    fields = {f.name for f in dataclasses.fields(RunConfig)} - {"zero", "init", "tokenizer"}
+    zero = {
+        f.name: identity["zero"][f.name]
+        for f in dataclasses.fields(ZeroPPConfig)
+        if f.name in identity["zero"]
+    }
+    given = {k: v for k, v in identity.items() if k in fields}
+    return RunConfig(zero=ZeroPPConfig(**zero), **given)
+
+
+def export_hf(
+    ckpt_dir: str | pathlib.Path,
+    out: str | pathlib.Path,
+    *,
+    step: int | None = None,
+    dtype: str = "bfloat16",
+    overwrite: bool = False,
+) -> list[pathlib.Path]:
+    """Write checkpoint `step` (default: the newest) of the run in
+    `ckpt_dir` as a Hugging Face checkpoint directory `out`, its weights in
+    `dtype`; returns the files written.
+
+    Raises:
+      UsageError: `out` not empty (without `overwrite`), no checkpoint, a
+        run with no config.json (a GPT), or a token-pipeline run.
+    """
+    import jax
+    from flax import nnx
+
+    from zpp_jax import hf
+    from zpp_jax.checkpoint import Checkpointer, check_directory
+    from zpp_jax.mesh import make_mesh
+    from zpp_jax.models import Llama
+    from zpp_jax.recipes.train import make_optimizer
+    from zpp_jax.train import Trainer
+
+    ckpt_dir, out = pathlib.Path(ckpt_dir), pathlib.Path(out)
+    _check_export(ckpt_dir, out, dtype, overwrite)
+    check_directory(ckpt_dir)
+    checkpointer = Checkpointer(ckpt_dir)
+    step = checkpointer.latest_step() if step is None else step
+    if step is None or step not in checkpointer.all_steps():
+        raise UsageError(f"--ckpt-dir {ckpt_dir}: no checkpoint {step if step else ''}".rstrip())
+    meta = checkpointer.read_meta(step)
+    cfg = run_config_of(meta["identity"])
+    if cfg.stages > 1:
+        raise UsageError("zpp export reads runs without --stages; this run is a token pipeline")
+    source = hf.read_config(ckpt_dir)
+    model_cfg = hf.llama_config(source, cfg.seq_len, cfg.compute_dtype)
+    abstract = nnx.eval_shape(lambda: Llama(model_cfg, nnx.Rngs(0)))
+    # Any mesh restores the parameters; this process's devices, as one node.
+    mesh = make_mesh(1, jax.device_count())
+    trainer = Trainer(abstract, make_optimizer(cfg), mesh, cfg.zero)
+    state, _ = checkpointer.restore(trainer.abstract_state(), step)
+    extra = _token_ids(ckpt_dir / CONFIG_FILE)
+    written = hf.save(trainer.model(state), out, dtype=dtype, overwrite=overwrite, extra=extra)
+    tokenizer = ckpt_dir / "tokenizer.json"
+    if tokenizer.is_file() and jax.process_index() == 0:
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+        written.append(out / "tokenizer.json")
+    return written
+
+
+def _check_export(ckpt_dir: pathlib.Path, out: pathlib.Path, dtype: str, overwrite: bool) -> None:
+    from zpp_jax.hf.files import DTYPES
+
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise UsageError(
+            f"--hf {out} is not empty: write into a new directory, or pass --overwrite"
+        )
+    if not (ckpt_dir / CONFIG_FILE).is_file():
+        raise UsageError(
+            f"--ckpt-dir {ckpt_dir} has no {CONFIG_FILE}: zpp export --hf writes Llama-family "
+            "models, which runs with --init or --arch llama keep there (a GPT has none)"
+        )
+
+
+def _token_ids(config_file: pathlib.Path) -> dict:
+    """The special token ids of the run's config.json, carried to the export."""
+    data = json.loads(config_file.read_text())
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {k: data[k] for k in keys if k in data}
