@@ -22,24 +22,7 @@ import shutil
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.recipes.config import RunConfig
-
-CONFIG_FILE = "config.json"  # in --ckpt-dir: the model's Hugging Face config
-
-
-def save_model_config(cfg: RunConfig, model_cfg) -> None:
-    """Keep the model's config.json in the run's checkpoint directory (for
-    `export_hf`): the initial checkpoint's, or, for a Llama preset, the one
-    `zpp_jax.hf.save` would write. A GPT has none."""
-    if not cfg.ckpt_dir or (cfg.init is None and cfg.arch != "llama"):
-        return
-    target = pathlib.Path(cfg.ckpt_dir) / CONFIG_FILE
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if cfg.init is not None:
-        shutil.copyfile(pathlib.Path(cfg.init) / CONFIG_FILE, target)
-    else:
-        from zpp_jax.hf.checkpoint import checkpoint_config
-
-        target.write_text(json.dumps(checkpoint_config(model_cfg, "float32"), indent=2) + "\n")
+from zpp_jax.recipes.runs import CONFIG_FILE
 
 
 def run_config_of(identity: dict) -> RunConfig:

@@ -53,6 +53,8 @@ from zpp_jax.errors import (
 # how often it is written, the mesh (a checkpoint restores onto another), and
 # the step count (a resumed run may be extended; the learning-rate schedule
 # follows the new count).
+CONFIG_FILE = "config.json"  # in --ckpt-dir: the model's Hugging Face config
+
 _NOT_IDENTITY = frozenset(
     {
         "steps",
@@ -75,6 +77,22 @@ _NOT_IDENTITY = frozenset(
         "progress",
     }
 )
+
+
+def save_model_config(cfg: Any, model_cfg: Any) -> None:
+    """Keep the model's config.json in the run's checkpoint directory (for
+    `export_hf`): the initial checkpoint's, or, for a Llama preset, the one
+    `zpp_jax.hf.save` would write. A GPT has none."""
+    if not cfg.ckpt_dir or (cfg.init is None and cfg.arch != "llama"):
+        return
+    target = pathlib.Path(cfg.ckpt_dir) / CONFIG_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if cfg.init is not None:
+        shutil.copyfile(pathlib.Path(cfg.init) / CONFIG_FILE, target)
+    else:
+        from zpp_jax.hf.checkpoint import checkpoint_config
+
+        target.write_text(json.dumps(checkpoint_config(model_cfg, "float32"), indent=2) + "\n")
 
 
 def identity(cfg: Any, corpus: dict, tokenizer: dict, init: dict | None = None) -> dict[str, Any]:

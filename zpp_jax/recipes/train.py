@@ -44,7 +44,6 @@ from zpp_jax.pipeline.planner import folded
 from zpp_jax.preemption import Stopped, StopRequest
 from zpp_jax.recipes import corpus, runs
 from zpp_jax.recipes.config import INIT_SEQ, RunConfig, parse_slices
-from zpp_jax.recipes.export import save_model_config
 from zpp_jax.train import Trainer
 
 # -- build ----------------------------------------------------------------------
@@ -260,7 +259,7 @@ def build(cfg: RunConfig, log=print) -> Job:
     data = text.dataset(model_cfg.seq_len, model_cfg.vocab_size)
     if jax.process_index() == 0 and not cfg.resume:
         corpus.save_tokenizer(cfg, text.tokenizer)
-        save_model_config(cfg, model_cfg)
+        runs.save_model_config(cfg, model_cfg)
     slicing = ""
     if cfg.stages > 1:
         slices, how = choose_slices(cfg, model_cfg)
