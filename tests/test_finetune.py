@@ -12,11 +12,12 @@ from flax import nnx
 from zpp_jax import hf
 from zpp_jax.cli import main
 from zpp_jax.data.examples import ExampleDataset, encode_records, read_records
-from zpp_jax.data.tokenizer import ByteTokenizer, train_bpe
+from zpp_jax.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 from zpp_jax.errors import UsageError
 from zpp_jax.models import Llama, LlamaConfig
 from zpp_jax.recipes import RunConfig
 from zpp_jax.recipes import corpus as run_corpus
+from zpp_jax.recipes.sample import generate
 from zpp_jax.train import cross_entropy
 
 EOS = 299
@@ -142,6 +143,12 @@ def _check_export(tmp_path, data, metrics, capfd):
     capfd.readouterr()
     assert main(["export", "--ckpt-dir", run, "--hf", str(out)]) == 2
     assert "is not empty: write into a new directory, or pass --overwrite" in capfd.readouterr().err
+    # zpp sample decodes what the exported model writes, greedily.
+    prompt = "add two and three:"
+    assert main(["sample", "--ckpt-dir", run, "--prompt", prompt, "--max-tokens", "4"]) == 0
+    tokenizer = load_tokenizer(out / "tokenizer.json")
+    ids = generate(model, tokenizer.encode_text(prompt, special=True), 4, eos_id=EOS)
+    assert capfd.readouterr().out == prompt + tokenizer.decode(ids) + "\n"
 
 
 @pytest.mark.parametrize(

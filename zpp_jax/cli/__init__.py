@@ -206,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     _profile_parser(sub)
     _demo_parser(sub)
     _export_parser(sub)
+    _sample_parser(sub)
     return parser
 
 
@@ -435,6 +436,46 @@ def _export(args) -> int:
         args.ckpt_dir, args.hf, step=args.step, dtype=args.dtype, overwrite=args.overwrite
     )
     print(f"zpp export: wrote {len(written)} files to {args.hf}", file=sys.stderr)
+    return 0
+
+
+def _sample_parser(sub) -> None:
+    sample = sub.add_parser(
+        "sample", help="decode text from a run's checkpoint (greedy, or with a temperature)"
+    )
+    sample.add_argument("--ckpt-dir", required=True, help="the run's checkpoint directory")
+    sample.add_argument("--prompt", required=True, help="the text to continue")
+    sample.add_argument(
+        "--max-tokens",
+        type=count(why="tokens to write"),
+        default=64,
+        help="tokens to write at most (default 64)",
+    )
+    sample.add_argument(
+        "--temperature",
+        type=Number(float, 0, why="0 is greedy"),
+        default=0.0,
+        help="0: greedy; above: sample from the softmax of logits / T (default 0)",
+    )
+    sample.add_argument("--seed", type=count(0, 2**32 - 1, "32 bits"), default=0)
+    sample.add_argument(
+        "--step", type=count(0, why="a checkpoint's step"), help="(default: the newest)"
+    )
+    sample.set_defaults(func=_sample)
+
+
+def _sample(args) -> int:
+    from zpp_jax.recipes.sample import sample_run
+
+    text = sample_run(
+        args.ckpt_dir,
+        args.prompt,
+        args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        step=args.step,
+    )
+    print(args.prompt + text)
     return 0
 
 

@@ -46,6 +46,10 @@ class Tokenizer:
         tokens a tokenizer adds around a sequence (a BOS), if it has any."""
         return self.encode(text.encode()).astype(np.int32)
 
+    def decode(self, ids) -> str:
+        """The text of `ids` (bytes that are not UTF-8 shown as U+FFFD)."""
+        raise NotImplementedError
+
     @property
     def token_bytes(self) -> np.ndarray:
         raise NotImplementedError
@@ -69,6 +73,9 @@ class ByteTokenizer(Tokenizer):
     def encode(self, data: bytes) -> np.ndarray:
         return np.frombuffer(data, np.uint8)
 
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < BYTE_VOCAB).decode(errors="replace")
+
     @property
     def token_bytes(self) -> np.ndarray:
         return np.ones(BYTE_VOCAB, np.int64)
@@ -88,6 +95,9 @@ class HFTokenizer(Tokenizer):
 
     def encode_text(self, text: str, special: bool = False) -> np.ndarray:
         return np.asarray(self.tok.encode(text, add_special_tokens=special).ids, np.int32)
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     @property
     def token_bytes(self) -> np.ndarray:

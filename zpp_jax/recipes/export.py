@@ -38,6 +38,54 @@ def run_config_of(identity: dict) -> RunConfig:
     return RunConfig(zero=ZeroPPConfig(**zero), **given)
 
 
+def restore_run_model(ckpt_dir: str | pathlib.Path, step: int | None = None):
+    """The model of checkpoint `step` (default: the newest) of the run in
+    `ckpt_dir`, sharded over this process's devices as one node; with the
+    `RunConfig` its identity describes and the step restored.
+
+    The model is the run's Llama-family model when the directory holds its
+    config.json, else its preset (`--arch`, `--model`, the tokenizer's
+    vocabulary). Memory: the state (parameters and optimizer state), split
+    over the devices.
+
+    Raises:
+      UsageError: no such checkpoint, or a token-pipeline run.
+    """
+    import jax
+    from flax import nnx
+
+    from zpp_jax import hf
+    from zpp_jax.checkpoint import Checkpointer, check_directory
+    from zpp_jax.mesh import make_mesh
+    from zpp_jax.models import Llama
+    from zpp_jax.recipes.train import make_optimizer, model_class, model_config
+    from zpp_jax.train import Trainer
+
+    ckpt_dir = pathlib.Path(ckpt_dir)
+    check_directory(ckpt_dir)
+    checkpointer = Checkpointer(ckpt_dir)
+    step = checkpointer.latest_step() if step is None else step
+    if step is None or step not in checkpointer.all_steps():
+        which = "" if step is None else f" {step}"
+        raise UsageError(f"--ckpt-dir {ckpt_dir}: no checkpoint{which}")
+    identity = checkpointer.read_meta(step)["identity"]
+    cfg = run_config_of(identity)
+    if cfg.stages > 1:
+        raise UsageError("this run is a token pipeline (--stages); its checkpoints hold stages")
+    if (ckpt_dir / CONFIG_FILE).is_file():
+        model_cfg = hf.llama_config(hf.read_config(ckpt_dir), cfg.seq_len, cfg.compute_dtype)
+        model_type = Llama
+    else:
+        cfg = dataclasses.replace(cfg, vocab_size=identity["tokenizer"]["vocab_size"])
+        model_cfg, model_type = model_config(cfg), model_class(cfg)
+    abstract = nnx.eval_shape(lambda: model_type(model_cfg, nnx.Rngs(0)))
+    # Any mesh restores the parameters; this process's devices, as one node.
+    mesh = make_mesh(1, jax.device_count())
+    trainer = Trainer(abstract, make_optimizer(cfg), mesh, cfg.zero)
+    state, _ = checkpointer.restore(trainer.abstract_state(), step)
+    return trainer.model(state), cfg, step
+
+
 def export_hf(
     ckpt_dir: str | pathlib.Path,
     out: str | pathlib.Path,
@@ -55,35 +103,14 @@ def export_hf(
         run with no config.json (a GPT), or a token-pipeline run.
     """
     import jax
-    from flax import nnx
 
     from zpp_jax import hf
-    from zpp_jax.checkpoint import Checkpointer, check_directory
-    from zpp_jax.mesh import make_mesh
-    from zpp_jax.models import Llama
-    from zpp_jax.recipes.train import make_optimizer
-    from zpp_jax.train import Trainer
 
     ckpt_dir, out = pathlib.Path(ckpt_dir), pathlib.Path(out)
     _check_export(ckpt_dir, out, dtype, overwrite)
-    check_directory(ckpt_dir)
-    checkpointer = Checkpointer(ckpt_dir)
-    step = checkpointer.latest_step() if step is None else step
-    if step is None or step not in checkpointer.all_steps():
-        raise UsageError(f"--ckpt-dir {ckpt_dir}: no checkpoint {step if step else ''}".rstrip())
-    meta = checkpointer.read_meta(step)
-    cfg = run_config_of(meta["identity"])
-    if cfg.stages > 1:
-        raise UsageError("zpp export reads runs without --stages; this run is a token pipeline")
-    source = hf.read_config(ckpt_dir)
-    model_cfg = hf.llama_config(source, cfg.seq_len, cfg.compute_dtype)
-    abstract = nnx.eval_shape(lambda: Llama(model_cfg, nnx.Rngs(0)))
-    # Any mesh restores the parameters; this process's devices, as one node.
-    mesh = make_mesh(1, jax.device_count())
-    trainer = Trainer(abstract, make_optimizer(cfg), mesh, cfg.zero)
-    state, _ = checkpointer.restore(trainer.abstract_state(), step)
+    model, _, _ = restore_run_model(ckpt_dir, step)
     extra = _token_ids(ckpt_dir / CONFIG_FILE)
-    written = hf.save(trainer.model(state), out, dtype=dtype, overwrite=overwrite, extra=extra)
+    written = hf.save(model, out, dtype=dtype, overwrite=overwrite, extra=extra)
     tokenizer = ckpt_dir / "tokenizer.json"
     if tokenizer.is_file() and jax.process_index() == 0:
         shutil.copyfile(tokenizer, out / "tokenizer.json")

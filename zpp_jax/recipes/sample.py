@@ -1,0 +1,124 @@
+"""What `zpp sample` runs: text from a trained model, decoded token by
+token with a key/value cache.
+
+`generate` works on any model that says how it decodes
+(``pipeline_decoder()``, as `zpp_jax.models`' GPT and Llama do): the prompt
+runs once, filling each layer's cache, then each new token runs alone and
+attends to the cache. Greedy (temperature 0) picks the likeliest token,
+exactly what the full forward pass would; a temperature samples.
+`sample_run` restores a run's checkpoint and its tokenizer around it.
+
+Memory: the model whole on the device (a sharded one is unsharded first)
+and a cache of 2 x layers x seq_len x kv_width per sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from zpp_jax.errors import UsageError
+from zpp_jax.pipeline.decoders import decoder_for, split_part
+
+
+def generate(
+    model: nnx.Module,
+    prompt,
+    max_tokens: int,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    eos_id: int | None = None,
+) -> np.ndarray:
+    """Up to `max_tokens` ids that follow `prompt` (a 1-D sequence of ids),
+    stopping after `eos_id`. Two compiled programs: the prompt's pass and
+    one token's step.
+
+    Raises:
+      UsageError: an empty prompt, a negative temperature, or a prompt and
+        `max_tokens` longer together than the model's sequence.
+    """
+    prompt = np.asarray(prompt, np.int32).reshape(-1)
+    decoder = decoder_for(model)
+    if not prompt.size:
+        raise UsageError("the prompt has no tokens")
+    if temperature < 0:
+        raise UsageError(f"--temperature {temperature}: use 0 (greedy) or more")
+    if prompt.size + max_tokens > decoder.seq_len:
+        raise UsageError(
+            f"a prompt of {prompt.size} tokens and {max_tokens} more exceed the model's "
+            f"{decoder.seq_len}: use fewer --max-tokens or a shorter prompt"
+        )
+    graph = {name: split_part(part) for name, part in decoder.parts(model).items()}
+    defs = {name: g[0] for name, g in graph.items()}
+    arrays = {name: (g[1], g[2]) for name, g in graph.items()}
+    forward = jax.jit(functools.partial(_forward, decoder, defs))
+    n_layers = jax.tree.leaves(arrays["blocks"][0])[0].shape[0]
+    cache = [jnp.zeros((2, 1, decoder.seq_len, decoder.kv_width), decoder.dtype)] * n_layers
+    logits, cache = forward(arrays, cache, jnp.asarray(prompt[None]), jnp.int32(0))
+    key, out = jax.random.key(seed), []
+    for i in range(max_tokens):
+        token = _pick(logits[0], temperature, jax.random.fold_in(key, i))
+        out.append(token)
+        if token == eos_id or i + 1 == max_tokens:
+            break
+        step = jnp.asarray([[token]], jnp.int32)
+        logits, cache = forward(arrays, cache, step, jnp.int32(prompt.size + i))
+    return np.asarray(out, np.int32)
+
+
+def _forward(decoder, defs, arrays, cache, tokens, start):
+    """The last position's logits of `tokens` at positions start.., and
+    the caches with their keys and values written. The layers come
+    stacked (`split_part`): layer i is merged from the stack's row i."""
+    parts = {name: nnx.merge(defs[name], *arrays[name]) for name in defs if name != "blocks"}
+    x = decoder.embed(parts, tokens, start)
+    stack, rest = arrays["blocks"]
+    written = []
+    for i, kv in enumerate(cache):
+        block = nnx.merge(defs["blocks"], jax.tree.map(lambda a, i=i: a[i], stack), rest)
+        x, kv = decoder.layer(block, x, kv, start, decoder.seq_len)
+        written.append(kv)
+    return decoder.head(parts, x[:, -1:])[:, -1], written
+
+
+def _pick(logits: jax.Array, temperature: float, key) -> int:
+    if temperature == 0:
+        return int(jnp.argmax(logits))
+    return int(jax.random.categorical(key, logits.astype(jnp.float32) / temperature))
+
+
+def sample_run(
+    ckpt_dir: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    step: int | None = None,
+) -> str:
+    """The text the model of a run's checkpoint writes after `prompt`,
+    encoded and decoded with the run's tokenizer (its tokenizer.json, or
+    bytes), stopping at its end-of-sequence id (from its config.json)."""
+    from zpp_jax.data.tokenizer import ByteTokenizer, load_tokenizer
+    from zpp_jax.recipes.export import restore_run_model
+    from zpp_jax.recipes.runs import CONFIG_FILE
+    from zpp_jax.sharded import unshard
+
+    directory = pathlib.Path(ckpt_dir)
+    file = directory / "tokenizer.json"
+    tokenizer = load_tokenizer(file) if file.is_file() else ByteTokenizer()
+    eos = None
+    if (directory / CONFIG_FILE).is_file():
+        eos = json.loads((directory / CONFIG_FILE).read_text()).get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+    ids = tokenizer.encode_text(prompt, special=True)
+    model, _, _ = restore_run_model(directory, step)
+    out = generate(unshard(model), ids, max_tokens, temperature=temperature, seed=seed, eos_id=eos)
+    return tokenizer.decode(out)
