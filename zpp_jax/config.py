@@ -68,6 +68,12 @@ class ZeroPPConfig:
         step after step). 4-bit codes have only 15 levels, and on small models
         nearest rounding costs several percent of loss over a short run.
         Weights are always rounded to nearest.
+      frozen_bits: 8 or 4 bits per code of frozen weights (those
+        ``zpp.shard(freeze=...)`` names, such as a LoRA's base): each unit's
+        are quantized once, stored as codes and scales (about a quarter or
+        an eighth of fp32), gathered as codes (with hpZ: over the node,
+        then inside it) in both passes, and never get a gradient. None:
+        stored in their own dtype and gathered as weights are.
       comm_dtype: dtype of the *unquantized* collectives (the plain all-gather
         and reduce-scatter), e.g. "bfloat16" for a ZeRO-3 baseline that moves
         bf16 weights and gradients. None moves the fp32 master values exactly.
@@ -138,6 +144,14 @@ class ZeroPPConfig:
         choices=_SUPPORTED_SCALE_DTYPES,
         group=TECHNIQUES,
     )
+    frozen_bits: int | None = option(
+        8,
+        "bits per code of frozen weights (a LoRA's base, zpp.shard(freeze=)): they are stored "
+        "and gathered as codes; none: kept and gathered in their own dtype",
+        type=lambda text: None if text == "none" else int(text),
+        choices=(8, 4, None),
+        group=TECHNIQUES,
+    )
     comm_dtype: str | None = option(
         None,
         "wire dtype of the unquantized collectives",
@@ -167,6 +181,11 @@ class ZeroPPConfig:
             raise UsageError(
                 f"weight_bits={self.weight_bits!r} is not supported; use one of "
                 f"{_SUPPORTED_WEIGHT_BITS}"
+            )
+        if self.frozen_bits not in (*_SUPPORTED_WEIGHT_BITS, None):
+            raise UsageError(
+                f"frozen_bits={self.frozen_bits!r} is not supported; use one of "
+                f"{_SUPPORTED_WEIGHT_BITS}, or None to keep frozen weights in their dtype"
             )
         if self.gradient_bits not in _SUPPORTED_GRADIENT_BITS:
             raise UsageError(

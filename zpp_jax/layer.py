@@ -11,6 +11,7 @@ keep) and reduces the weight gradient straight to the primary shard.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +90,7 @@ class ShardedLayer:
         compute_dtype=None,
         reduction: str = "mean",
         prefetch: bool = False,
+        frozen: WeightWire | None = None,
     ) -> None:
         if reduction not in ("mean", "sum"):
             raise UsageError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -101,7 +103,8 @@ class ShardedLayer:
         self.compute_dtype = compute_dtype
         self.reduction = reduction
         self._order = relay.LayerOrder(prefetch=prefetch, hpz=config.hpz)
-        self._wire = WeightWire(layout, config, compute_dtype)
+        self._wire = None if layout is None else WeightWire(layout, config, compute_dtype)
+        self._frozen = frozen
         self._apply = _build(self)
         self._held = _build_held(self)
 
@@ -121,6 +124,22 @@ class ShardedLayer:
                 f"{self.config.residual_dtype}; create it with ShardedLayer.init_residuals"
             )
         return self._apply(shard, residual, x, None)[0]
+
+    def with_frozen(
+        self, shard: jax.Array | None, frozen: jax.Array, x: Any, residual=None, token=None
+    ):
+        """A call of a layer built with `frozen`: ``fn((params, frozen
+        params), x)``, where `frozen` is this device's stored wire of the
+        frozen weights (`WeightWire.encode` of their shard, made once).
+
+        Guarantees: the frozen weights travel as they are stored (their
+        codes, with hpZ over the node then inside it) both ways, are decoded
+        for the computation and never kept across the step; they get no
+        gradient and no reduction. `shard` (None when the layer has no
+        trainable parameters to split) is gathered and reduced as in
+        `__call__`. Returns the output, and the token with one."""
+        out, token = self._apply((shard, frozen), residual, x, token)
+        return out if token is None else (out, token)
 
     def relayed(
         self, shard: jax.Array, x: Any, residual: jax.Array | None, token: jax.Array
@@ -193,8 +212,11 @@ class ShardedLayer:
 
     # -- the pieces the custom_vjp is built from -------------------------------
 
-    def _gather_forward(self, shard, token=None):
-        """The full parameters (a pytree) and the hpZ secondary shard (or None).
+    def _gather_forward(self, source, token=None):
+        """The full parameters (a pytree) and the hpZ secondary (or None).
+        `source`: the primary shard, or with frozen weights (shard or None,
+        frozen wire); the parameters are then (params or None, frozen
+        params).
 
         With hpZ the gather is hierarchical: first over `node` (each device
         then holds the shards of its local index on every node: the
@@ -203,12 +225,15 @@ class ShardedLayer:
         vector a flat ring carries over each node boundary. `token`: the
         relay token, which the gathers wait on (`LayerOrder`).
         """
+        frozen = self._frozen is not None
+        shard, stored = source if frozen else (source, None)
         with jax.named_scope("zpp_quantize"):
-            wire = self._wire.encode(shard)
+            wire = None if shard is None else self._wire.encode(shard)
+        wire = (wire, stored) if frozen else wire
         with jax.named_scope("zpp_gather"):
             wire = self._order.wire_for_gather(wire, token)
             if not self.config.hpz:
-                return self._wire.decode(collectives.gather_all(wire)), None
+                return self._decode(collectives.gather_all(wire)), None
             secondary = collectives.gather_over(wire, NODE)
             secondary = self._order.secondary_for_gather(secondary, token)
             return self._assemble(secondary), secondary
@@ -230,7 +255,20 @@ class ShardedLayer:
         """
         rows = collectives.gather_over(secondary, LOCAL)
         rows = jax.tree.map(lambda a: jnp.concatenate([a[:, n] for n in range(a.shape[1])]), rows)
-        return self._wire.decode(rows)
+        return self._decode(rows)
+
+    @functools.cached_property
+    def _frozen_stored_shape(self) -> tuple[int, ...]:
+        """The shape of one device's stored frozen wire."""
+        size = jax.ShapeDtypeStruct((self._frozen.layout.shard_size,), jnp.float32)
+        return jax.eval_shape(self._frozen.encode, size).shape
+
+    def _decode(self, rows):
+        """Gathered rows -> the parameters (with frozen weights: the pair)."""
+        if self._frozen is None:
+            return self._wire.decode(rows)
+        mine, frozen = rows
+        return (None if mine is None else self._wire.decode(mine)), self._frozen.decode(frozen)
 
     def _reduce(self, grads, residual):
         """The layer's weight gradient (a pytree) -> this device's shard of
@@ -312,12 +350,27 @@ def _build(layer: ShardedLayer):
         else:
             vjp = residuals.pullback(kept, params)
         g_params, g_x = vjp(g)
+        if layer._frozen is not None:
+            return _frozen_bwd(layer, g_params[0], g_x, residual, g_token, first, kept, g)
         shard_grad, new_residual, node_step = layer._reduce(g_params, residual)
         g_x, g_token = order.released(g_x, shard_grad, node_step, g_token, first, kept, g)
         return shard_grad, new_residual, g_x, g_token
 
     apply.defvjp(fwd, bwd, symbolic_zeros=True)
     return apply
+
+
+def _frozen_bwd(layer: ShardedLayer, g_params, g_x, residual, g_token, first, kept, g):
+    """The backward pass's end for a layer with frozen weights: the
+    trainable parameters' gradient reduced (if there are any), and no
+    cotangent (float0 zeros) for the frozen weights' stored codes."""
+    shard_grad = new_residual = node_step = None
+    if layer.layout is not None:
+        shard_grad, new_residual, node_step = layer._reduce(g_params, residual)
+    marker = jnp.zeros((1,), jnp.float32) if shard_grad is None else shard_grad
+    g_x, g_token = layer._order.released(g_x, marker, node_step, g_token, first, kept, g)
+    stored = np.zeros(layer._frozen_stored_shape, jax.dtypes.float0)
+    return (shard_grad, stored), new_residual, g_x, g_token
 
 
 def _values(tree):

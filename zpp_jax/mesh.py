@@ -3,6 +3,7 @@ of one host); with a token pipeline, a `stage` axis in front."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -164,3 +165,48 @@ def on_mesh(tree, mesh: Mesh):
         nnx.update(tree, jax.tree.map(place, nnx.state(tree)))
         return tree
     return jax.tree.map(place, tree)
+
+
+def shard_dim(shape: tuple[int, ...], n: int, stacked: bool, keep_below: int = 0) -> int | None:
+    """The dimension a parameter is split along: the first one (after a
+    stack's layer axis) that N divides, so that a block is a contiguous run;
+    None (kept whole on every device) when none does, or when it holds
+    fewer than `keep_below` elements (per layer of a stack)."""
+    first = 1 if stacked and len(shape) > 1 else 0
+    if math.prod(shape[first:]) < keep_below:
+        return None
+    for d in range(first, len(shape)):
+        if shape[d] % n == 0:
+            return d
+    return None
+
+
+def spec_along(ndim: int, dim: int | None) -> P:
+    """The PartitionSpec that splits dimension `dim` over every device."""
+    if dim is None:
+        return P()
+    return P(*[AXES if i == dim else None for i in range(ndim)])
+
+
+def place(value, mesh: Mesh, dim: int | None) -> jax.Array | jax.ShapeDtypeStruct:
+    """`value` stored split along `dim` over every device of `mesh` (whole
+    on every device when `dim` is None). An abstract value (a
+    `jax.ShapeDtypeStruct`, as `nnx.eval_shape` makes) stays abstract and
+    gains the sharding: nothing is allocated, so a model can be sharded for
+    devices that only exist to compile for."""
+    sharding = NamedSharding(mesh, spec_along(np.ndim(value), dim))
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+    return jax.device_put(value, sharding)
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes one device holds of `tree`'s arrays: its own block of each
+    split array, a whole copy of the others (the largest device's, for
+    blocks of uneven size)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else np.shape(leaf)
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total

@@ -46,16 +46,15 @@ from jax.sharding import Mesh
 
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
-from zpp_jax.mesh import AXES, mesh_shape, on_mesh
+from zpp_jax.frozen import FrozenParam, FrozenWeights, call_operands, freeze_unit, set_variable
+from zpp_jax.mesh import AXES, mesh_shape, on_mesh, place, shard_dim
 from zpp_jax.outputs import Outputs, append_sown, check_outputs
 from zpp_jax.partition import quant_float_dtypes
 from zpp_jax.unit import (
     UnitInfo,
     check_block_sizes,
     check_units,
-    place,
     run_unit,
-    shard_dim,
     unit_infos,
     with_values,
     zero_residual,
@@ -226,6 +225,7 @@ def shard(
     compute_dtype=None,
     *,
     outputs: Outputs = None,
+    freeze: nnx.filterlib.Filter | None = None,
 ) -> nnx.Module:
     """Shard `model` for ZeRO++ over `mesh` (a `make_mesh` mesh), in place.
 
@@ -256,6 +256,8 @@ def shard(
         unit returns) or ``sow['name']...`` (what it sows). Values that
         are not linear in the batch (a product of two means, a variance)
         are exact only if computed outside the unit from such outputs.
+      freeze: an NNX filter of parameters that train nothing (a LoRA's
+        base: ``zpp_jax.lora.FROZEN``), kept as codes (`zpp_jax.frozen`).
 
     With ``config.error_feedback`` each unit also holds a `FeedbackResidual`;
     take gradients with `zpp.value_and_grad` (or `zpp.grad`) so that it is
@@ -285,11 +287,10 @@ def shard(
     config = ZeroPPConfig.check(config)
     check_outputs(outputs)
     n = _check_model(model, mesh, config)
-    units = _select(model, policy)
-    unit_paths = set(units)
+    units, frozen = _select(model, policy), freeze and nnx.filterlib.to_predicate(freeze)
     for path in units:
-        _make_unit(_get(model, path), mesh, config, compute_dtype, n, _name(path), outputs)
-    _place_outside_units(model, mesh, config, unit_paths)
+        _make_unit(_get(model, path), mesh, config, compute_dtype, n, _name(path), outputs, frozen)
+    _place_outside_units(model, mesh, config, set(units), frozen)
     # Everything else (random-stream keys and counts, batch statistics) whole
     # on every device: a jitted step then takes it with the sharding it
     # returns it with, and compiles once.
@@ -326,9 +327,10 @@ def _check_model(model, mesh: Mesh, config: ZeroPPConfig) -> int:
     return nodes * local
 
 
-def _place_outside_units(model, mesh: Mesh, config: ZeroPPConfig, unit_paths: set) -> None:
+def _place_outside_units(model, mesh, config: ZeroPPConfig, unit_paths: set, frozen) -> None:
     """Parameters outside every unit: stored split the same way, gathered by
-    XLA (unquantized) where the model's own code uses them."""
+    XLA (unquantized) where the model's own code uses them; frozen ones as
+    `FrozenParam`s."""
     n = mesh.devices.size
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if any(path[: len(u)] == u for u in unit_paths):
@@ -336,11 +338,18 @@ def _place_outside_units(model, mesh: Mesh, config: ZeroPPConfig, unit_paths: se
         value = var.get_value()
         dim = shard_dim(np.shape(value), n, stacked=False, keep_below=config.persistence_threshold)
         var.set_value(place(value, mesh, dim))
+        if frozen and frozen(path, var):
+            set_variable(model, path, FrozenParam(var.get_value()))
 
 
-def _make_unit(module, mesh, config, compute_dtype, n, name, outputs):
+def _make_unit(module, mesh, config, compute_dtype, n, name, outputs, frozen=None):
     stacked = _looks_stacked(module)
     params = nnx.to_flat_state(nnx.state(module, nnx.Param))
+    specs = ()
+    if frozen:
+        held = [(p, v) for p, v in params if frozen(p, v)]
+        specs = freeze_unit(module, held, mesh, config, stacked, name) if held else ()
+        params = [(p, v) for p, v in params if not frozen(p, v)]
     dims = []
     for path, var in params:
         value = var.get_value()
@@ -369,6 +378,7 @@ def _make_unit(module, mesh, config, compute_dtype, n, name, outputs):
         stacked,
         name,
         outputs,
+        specs,
     )
     module.__class__ = _sharded_class(type(module))
 
@@ -378,17 +388,19 @@ def _make_unit(module, mesh, config, compute_dtype, n, name, outputs):
 # Sown values: what `Module.sow` writes (attributes, or `nnx.capture`'s
 # dicts); perturbations stay state (their values are inputs, not outputs).
 _SOWN = nnx.All(nnx.Intermediate, nnx.Not(nnx.Perturbation))
-_REST = nnx.Not(nnx.Any(nnx.Param, FeedbackResidual, _SOWN))
+_FROZEN = nnx.Any(FrozenParam, FrozenWeights)
+_REST = nnx.Not(nnx.Any(nnx.Param, FeedbackResidual, _FROZEN, _SOWN))
 
 
 def _unit_call(self, *args, **kwargs):
     """A unit's ``__call__``: the engine around the class's own."""
     info: UnitInfo = self._zpp
     base = type(self)._zpp_base
-    graphdef, params, feedback, sown, rest = nnx.split(
-        self, nnx.Param, FeedbackResidual, _SOWN, _REST
+    graphdef, params, feedback, frozen, sown, rest = nnx.split(
+        self, nnx.Param, FeedbackResidual, _FROZEN, _SOWN, _REST
     )
     param_items = nnx.to_flat_state(params)
+    frozen_items = nnx.to_flat_state(frozen)
     feedback_items = nnx.to_flat_state(feedback)
     sown_items = nnx.to_flat_state(sown)
     rest_items = nnx.to_flat_state(rest)
@@ -401,6 +413,7 @@ def _unit_call(self, *args, **kwargs):
             graphdef,
             with_values(param_items, [values[p] for p, _ in param_items]),
             with_values(feedback_items, [jnp.zeros((), v.dtype) for _, v in feedback_items]),
+            with_values(frozen_items, [values.get(p) for p, _ in frozen_items]),
             with_values(sown_items, emptied),
             with_values(rest_items, rest_values),
         )
@@ -431,6 +444,7 @@ def _unit_call(self, *args, **kwargs):
         args,
         kwargs,
         run,
+        call_operands(frozen_items),
     )
     nnx.update(self, with_values(rest_items, new_rest))
     for name, value in new_sown.items():

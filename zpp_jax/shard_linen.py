@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from zpp_jax._compat import is_tracer
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
-from zpp_jax.mesh import AXES, mesh_shape
+from zpp_jax.mesh import AXES, mesh_shape, place, shard_dim
 from zpp_jax.outputs import Outputs, append_sown, check_outputs
 from zpp_jax.overlap.relay import relay_scope
 from zpp_jax.partition import quant_float_dtypes
@@ -43,9 +43,7 @@ from zpp_jax.unit import (
     check_block_sizes,
     check_units,
     expect_units,
-    place,
     run_unit,
-    shard_dim,
     zero_residual,
 )
 

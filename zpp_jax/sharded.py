@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.errors import UsageError
+from zpp_jax.frozen import FrozenParam, FrozenWeights, decode_frozen, set_variable
 from zpp_jax.overlap import prefetches, xla_flags
 from zpp_jax.overlap.loops import unroll_relayed_loops
 from zpp_jax.overlap.relay import relay_scope
@@ -47,27 +48,53 @@ def unrolls_layer_loops(model: nnx.Module) -> bool:
 def unshard(model: nnx.Module) -> nnx.Module:
     """A plain copy of a `shard`ed model: its own classes, every parameter
     whole on every device (evaluation, generation, export), no
-    error-feedback residuals. The sharded model is left as it is.
+    error-feedback residuals. Frozen weights come back as `nnx.Param`s
+    holding what the model computed with (decoded from their codes). The
+    sharded model is left as it is.
 
     Memory: the full model on every device.
     """
     graphdef, state = nnx.split(model)
     plain = nnx.merge(graphdef, state)
     mesh = None
+    frozen = frozen_values(plain)
     for _, module in nnx.iter_modules(plain):
         info = getattr(module, "_zpp", None)
         if isinstance(info, UnitInfo):
             mesh = info.mesh
             module.__class__ = type(module)._zpp_base
             del module._zpp
-            if hasattr(module, "_zpp_residual"):
-                del module._zpp_residual
+            for name in ("_zpp_residual", "_zpp_frozen"):
+                if hasattr(module, name):
+                    delattr(module, name)
     if mesh is None:
         raise UsageError("zpp.unshard takes a model made by zpp.shard")
+    for path, value in frozen.items():  # frozen weights as what the model computed with
+        set_variable(plain, path, nnx.Param(value))
     replicated = NamedSharding(mesh, P())
     for _, var in nnx.to_flat_state(nnx.state(plain, nnx.Param)):
         var.set_value(jax.device_put(var.get_value(), replicated))
     return plain
+
+
+def frozen_values(model: nnx.Module) -> dict[tuple, jax.Array]:
+    """Every frozen parameter's value by its path: decoded from its unit's
+    codes (what the model computes with), or the stored weight."""
+    from zpp_jax.unit import UnitInfo
+
+    out = {}
+    for path, module in nnx.iter_modules(model):
+        info = getattr(module, "_zpp", None)
+        stored = getattr(module, "_zpp_frozen", None)
+        if isinstance(info, UnitInfo) and isinstance(stored, FrozenWeights):
+            n = info.mesh.devices.size
+            values = decode_frozen(info.config, info.frozen, stored.get_value(), n)
+            for spec, value in zip(info.frozen, values, strict=True):
+                out[(*path, *spec.path)] = value
+    for path, var in nnx.to_flat_state(nnx.state(model, FrozenParam)):
+        if var.get_value() is not None:
+            out[tuple(path)] = var.get_value()
+    return out
 
 
 def _with_feedback(argnums):

@@ -97,6 +97,11 @@ class Trainer:
     the skip check and the ``grad_norm`` metric) in one scalar all-reduce.
     Clipping inside `optimizer` gives the same result and computes the norm
     again, reducing one scalar per parameter array across the devices.
+
+    `freeze` (an NNX filter, as `zpp.shard` takes it: ``zpp_jax.lora.FROZEN``
+    for a LoRA) names the parameters that train nothing: they are stored
+    as ``config.frozen_bits`` codes, get no gradient and no optimizer
+    state, and stay bit for bit what they were.
     """
 
     def __init__(
@@ -112,6 +117,7 @@ class Trainer:
         grad_accum: int = 1,
         max_grad_norm: float | None = None,
         links: LinkModel | None = DEFAULT_LINKS,
+        freeze=None,
     ) -> None:
         check_links(links)
         self.links = links
@@ -124,7 +130,7 @@ class Trainer:
         self.mesh, self.num_devices = mesh, nodes * local
         self.config = ZeroPPConfig.check(config)
         self.loss_fn, self.grad_accum = loss_fn, grad_accum
-        sharded = shard(model, mesh, self.config, policy, compute_dtype)
+        sharded = shard(model, mesh, self.config, policy, compute_dtype, freeze=freeze)
         self._param_specs = jax.tree.map(lambda a: a.sharding.spec, nnx.state(sharded, nnx.Param))
         self.abstract = any(
             isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(sharded))

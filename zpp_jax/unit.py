@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -24,15 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax import collectives
 from zpp_jax._compat import is_tracer
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
+from zpp_jax.frozen import FrozenSpec, frozen_layout, frozen_wire
 from zpp_jax.layer import ShardedLayer
-from zpp_jax.mesh import AXES, mesh_shape
+from zpp_jax.mesh import AXES, mesh_shape, place, spec_along
 from zpp_jax.outputs import combine_outputs
 from zpp_jax.overlap import prefetches
 from zpp_jax.overlap.relay import current_chains
@@ -50,6 +50,7 @@ class UnitInfo:
     stacked: bool = False  # a stack of layers, called inside a layer loop
     name: str = "<unit>"  # its path in the model, for messages and `outputs`
     outputs: Any = None  # how outputs that are not per-example combine (`combine_outputs`)
+    frozen: tuple[FrozenSpec, ...] = ()  # split frozen parameters, stored as codes
 
 
 # The unit calls of the current `expect_units` block (None outside one).
@@ -124,39 +125,6 @@ def _name(path: tuple) -> str:
     return "/".join(str(k) for k in path) or "<the model>"
 
 
-def shard_dim(shape: tuple[int, ...], n: int, stacked: bool, keep_below: int = 0) -> int | None:
-    """The dimension a parameter is split along: the first one (after a
-    stack's layer axis) that N divides, so that a block is a contiguous run;
-    None (kept whole on every device) when none does, or when it holds
-    fewer than `keep_below` elements (per layer of a stack)."""
-    first = 1 if stacked and len(shape) > 1 else 0
-    if math.prod(shape[first:]) < keep_below:
-        return None
-    for d in range(first, len(shape)):
-        if shape[d] % n == 0:
-            return d
-    return None
-
-
-def spec_along(ndim: int, dim: int | None) -> P:
-    """The PartitionSpec that splits dimension `dim` over every device."""
-    if dim is None:
-        return P()
-    return P(*[AXES if i == dim else None for i in range(ndim)])
-
-
-def place(value, mesh: Mesh, dim: int | None) -> jax.Array | jax.ShapeDtypeStruct:
-    """`value` stored split along `dim` over every device of `mesh` (whole
-    on every device when `dim` is None). An abstract value (a
-    `jax.ShapeDtypeStruct`, as `nnx.eval_shape` makes) stays abstract and
-    gains the sharding: nothing is allocated, so a model can be sharded for
-    devices that only exist to compile for."""
-    sharding = NamedSharding(mesh, spec_along(np.ndim(value), dim))
-    if isinstance(value, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
-    return jax.device_put(value, sharding)
-
-
 def call_layout(config: ZeroPPConfig, params: Sequence[tuple], n: int) -> ParamLayout:
     """The per-device layout of one call's split parameters, given as
     (shape, dtype, split dimension)."""
@@ -203,6 +171,7 @@ def run_unit(
     args: tuple,
     kwargs: dict,
     run: Run,
+    frozen: tuple = (None, ()),
 ) -> tuple[Any, list, dict]:
     """Call a unit through the engine, in global view.
 
@@ -217,6 +186,9 @@ def run_unit(
         whole on every device, and it must come out the same on every
         device (batch statistics averaged over the devices, counters).
       residual: the unit's error-feedback residual (with error feedback).
+      frozen: (the unit's stored frozen wire or None, (key, value) of each
+        frozen parameter kept whole): frozen weights, which get no gradient
+        (see `zpp_jax.frozen`).
       run: ``run(params by key, state values, args, kwargs) -> (outputs, new
         state values, sown values)``: the unit's own code, on one device;
         sown values (``sow``, `nnx.Intermediate`) by name.
@@ -227,7 +199,7 @@ def run_unit(
     calls = _UNIT_CALLS.get()
     if calls is not None:
         calls.append(info.name)
-    call = _Call(info, params, state, residual, args, kwargs)
+    call = _Call(info, params, state, residual, args, kwargs, frozen)
     prefetch = prefetches(info.mesh)
     # Called outside any trace (an eager call of the model): the call is
     # compiled on its own, and joins no relay chain.
@@ -236,7 +208,9 @@ def run_unit(
     # own weights: its backward pass would be an empty window for the
     # neighbours' communication, so it is left out of the relay chain and
     # its own few bytes are scheduled freely.
-    relayed = call.layout is not None and any(np.ndim(v) >= 2 for _, v, _, _ in params)
+    relayed = (call.layout is not None and any(np.ndim(v) >= 2 for _, v, _, _ in params)) or any(
+        len(s.shape) >= 2 for s in info.frozen
+    )
     chains = current_chains() if prefetch and relayed and not eager else None
     token = None if chains is None else chains.take(info.mesh)
     mapped = jax.shard_map(
@@ -262,10 +236,14 @@ class _Call:
     devices or whole, their layout, its state, and its arguments, per row
     of the batch or whole."""
 
-    def __init__(self, info: UnitInfo, params, state, residual, args: tuple, kwargs: dict):
+    def __init__(self, info: UnitInfo, params, state, residual, args: tuple, kwargs: dict, frozen):
         self.info, self.state, self.args, self.kwargs = info, state, args, kwargs
         n = info.mesh.devices.size
         self.split, self.whole = _split_params(params)
+        self.stored, frozen_whole = frozen
+        self.frozen_keys = {key for key, _ in frozen_whole}
+        self.whole = self.whole + list(frozen_whole)
+        self.frozen_layout = frozen_layout(info.config, info.frozen, n) if info.frozen else None
         self.layout = None
         if self.split:
             self.layout = call_layout(
@@ -301,8 +279,11 @@ class _Call:
         def fn(full, inputs):
             rep, state_values, arg_values = inputs
             index = lax.axis_index(AXES)
-            values = dict(zip([k for k, _, _ in self.split], full or [], strict=True))
-            values.update(zip([k for k, _ in self.whole], rep, strict=True))
+            trainable, frozen = full if self.frozen_layout is not None else (full, None)
+            values = dict(zip([k for k, _, _ in self.split], trainable or [], strict=True))
+            values.update(zip([s.path for s in info.frozen], frozen or [], strict=True))
+            for (key, _), value in zip(self.whole, rep, strict=True):
+                values[key] = lax.stop_gradient(value) if key in self.frozen_keys else value
             if info.compute_dtype is not None:
                 values = {k: v.astype(info.compute_dtype) for k, v in values.items()}
             call_args, call_kwargs = nnx.merge(
@@ -336,19 +317,29 @@ class _Call:
         """What `jax.shard_map` runs on each device: the unit's code, through
         a `ShardedLayer` when it has parameters to gather."""
         fn, layout, config = self.on_device(run), self.layout, self.info.config
+        frozen = None if self.frozen_layout is None else frozen_wire(config, self.frozen_layout)
 
-        def local(blocks, rep, state_values, arg_values, residual, token):
+        def leaves(full):
+            if frozen is None:
+                return jax.tree.leaves(full)
+            return tuple(None if part is None else jax.tree.leaves(part) for part in full)
+
+        def local(blocks, rep, state_values, arg_values, residual, token, stored):
             inputs = (rep, state_values, arg_values)
-            if layout is None:
+            if layout is None and frozen is None:
                 return fn(None, inputs), None
             layer = ShardedLayer(
-                lambda full, x: fn(jax.tree.leaves(full), x),
+                lambda full, x: fn(leaves(full), x),
                 layout,
                 config,
                 reduction="sum",
                 prefetch=prefetch,
+                frozen=frozen,
             )
-            shard = layout.pack(layout.treedef.unflatten(blocks))
+            shard = None if layout is None else layout.pack(layout.treedef.unflatten(blocks))
+            if frozen is not None:
+                out = layer.with_frozen(shard, stored, inputs, residual, token)
+                return out if token is not None else (out, None)
             if token is None:
                 return layer(shard, inputs, residual), None
             return layer.relayed(shard, inputs, residual, token)
@@ -369,6 +360,7 @@ class _Call:
             ],
             None if self.residual is None else P(AXES),
             None if token is None else P(AXES),
+            None if self.stored is None else P(AXES),
         )
 
     def out_specs(self, token) -> tuple:
@@ -382,6 +374,7 @@ class _Call:
             [x.get_value() if isinstance(x, nnx.Variable) else x for _, x in self.arg_items],
             self.residual,
             token,
+            self.stored,
         )
 
     def update_args(self, new_args: list) -> None:

@@ -18,6 +18,7 @@ ARCHS = ("gpt", "llama")
 DTYPES = ("bfloat16", "float32", "float16")
 PIPELINE = "token pipeline (TeraPipe)"
 INIT_SEQ = 2048  # the longest default sequence of a run from a checkpoint
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # zpp_jax.lora.DEFAULT_TARGETS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,15 @@ class RunConfig:
         "fine-tune the Hugging Face checkpoint in this directory (config.json, safetensors "
         "weights, tokenizer.json; a Llama, Mistral or Qwen2): its architecture, weights and "
         "tokenizer stand for --arch, --model and --tokenizer",
+    )
+    lora: int | None = option(
+        None,
+        "train LoRA adapters of this rank over the frozen base (stored as --frozen-bits codes) "
+        "instead of every weight",
+        type=count(why="dimensions of each adapter"),
+    )
+    lora_targets: str = option(
+        ",".join(LORA_TARGETS), "the linear layers --lora adapts, by attribute name"
     )
     arch: str = option("gpt", "the model family", choices=ARCHS)
     model: str = option("tiny", "size preset: tiny, small (both), 125m (gpt)")
@@ -145,6 +155,13 @@ class RunConfig:
             )
         if (self.ckpt_every or self.resume) and not self.ckpt_dir:
             raise UsageError("checkpointing and --resume need --ckpt-dir")
+        if self.lora is None and self.lora_targets != ",".join(LORA_TARGETS):
+            raise UsageError("--lora-targets names the layers --lora adapts: pass --lora RANK")
+        if self.lora is not None and self.stages > 1:
+            raise UsageError(
+                "--lora trains through zpp.shard; the token pipeline (--stages) "
+                "does not take frozen weights: drop one"
+            )
         if self.resume and self.overwrite:
             raise UsageError("--resume continues a run and --overwrite deletes it: pass one")
         if self.stages > 1:

@@ -56,9 +56,10 @@ def restore_run_model(ckpt_dir: str | pathlib.Path, step: int | None = None):
 
     from zpp_jax import hf
     from zpp_jax.checkpoint import Checkpointer, check_directory
+    from zpp_jax.lora import FROZEN, add_lora
     from zpp_jax.mesh import make_mesh
     from zpp_jax.models import Llama
-    from zpp_jax.recipes.train import make_optimizer, model_class, model_config
+    from zpp_jax.recipes.train import lora_targets, make_optimizer, model_class, model_config
     from zpp_jax.train import Trainer
 
     ckpt_dir = pathlib.Path(ckpt_dir)
@@ -78,10 +79,15 @@ def restore_run_model(ckpt_dir: str | pathlib.Path, step: int | None = None):
     else:
         cfg = dataclasses.replace(cfg, vocab_size=identity["tokenizer"]["vocab_size"])
         model_cfg, model_type = model_config(cfg), model_class(cfg)
-    abstract = nnx.eval_shape(lambda: model_type(model_cfg, nnx.Rngs(0)))
+
+    def make():
+        model = model_type(model_cfg, nnx.Rngs(0))
+        return model if cfg.lora is None else add_lora(model, cfg.lora, lora_targets(cfg))
+
     # Any mesh restores the parameters; this process's devices, as one node.
     mesh = make_mesh(1, jax.device_count())
-    trainer = Trainer(abstract, make_optimizer(cfg), mesh, cfg.zero)
+    freeze = None if cfg.lora is None else FROZEN
+    trainer = Trainer(nnx.eval_shape(make), make_optimizer(cfg), mesh, cfg.zero, freeze=freeze)
     state, _ = checkpointer.restore(trainer.abstract_state(), step)
     return trainer.model(state), cfg, step
 
@@ -96,7 +102,10 @@ def export_hf(
 ) -> list[pathlib.Path]:
     """Write checkpoint `step` (default: the newest) of the run in
     `ckpt_dir` as a Hugging Face checkpoint directory `out`, its weights in
-    `dtype`; returns the files written.
+    `dtype`; returns the files written. A LoRA run's adapters are merged
+    into their base kernels: each is the frozen base as the run computed
+    with it (decoded from its codes) plus ``a @ b``; its memory is then the
+    whole model on each device.
 
     Raises:
       UsageError: `out` not empty (without `overwrite`), no checkpoint, a
@@ -108,7 +117,12 @@ def export_hf(
 
     ckpt_dir, out = pathlib.Path(ckpt_dir), pathlib.Path(out)
     _check_export(ckpt_dir, out, dtype, overwrite)
-    model, _, _ = restore_run_model(ckpt_dir, step)
+    model, cfg, _ = restore_run_model(ckpt_dir, step)
+    if cfg.lora is not None:  # the base as the run computed with it, plus a @ b
+        from zpp_jax.lora import merge_lora
+        from zpp_jax.sharded import unshard
+
+        model = merge_lora(unshard(model))
     extra = _token_ids(ckpt_dir / CONFIG_FILE)
     written = hf.save(model, out, dtype=dtype, overwrite=overwrite, extra=extra)
     tokenizer = ckpt_dir / "tokenizer.json"

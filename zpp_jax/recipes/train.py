@@ -38,7 +38,7 @@ from zpp_jax.data import BatchLoader, TokenDataset, local_rows
 from zpp_jax.data.examples import ExampleDataset
 from zpp_jax.data.tokenizer import bpe_size
 from zpp_jax.errors import INT32_MAX, UsageError
-from zpp_jax.mesh import make_mesh
+from zpp_jax.mesh import bytes_per_device, make_mesh
 from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
 from zpp_jax.pipeline.planner import folded
 from zpp_jax.preemption import Stopped, StopRequest
@@ -99,16 +99,29 @@ def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
     return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
 
 
-def make_trainer(cfg: RunConfig) -> Trainer:
-    """The model, optimizer, mesh and `Trainer` of a run."""
+def make_trainer(cfg: RunConfig, model: nnx.Module | None = None) -> Trainer:
+    """The model (default: `make_model`), optimizer, mesh and `Trainer` of
+    a run; with `cfg.lora`, LoRA adapters over the frozen model."""
+    model = make_model(cfg) if model is None else model
+    freeze = None
+    if cfg.lora is not None:
+        from zpp_jax.lora import FROZEN, add_lora
+
+        model = add_lora(model, cfg.lora, lora_targets(cfg), seed=cfg.seed)
+        freeze = FROZEN
     return Trainer(
-        make_model(cfg),
+        model,
         make_optimizer(cfg),
         make_mesh(cfg.nodes, cfg.local),
         cfg.zero,
         grad_accum=cfg.grad_accum,
         max_grad_norm=cfg.clip,
+        freeze=freeze,
     )
+
+
+def lora_targets(cfg: RunConfig) -> tuple[str, ...]:
+    return tuple(name.strip() for name in cfg.lora_targets.split(",") if name.strip())
 
 
 def choose_slices(cfg: RunConfig, model_cfg: GPTConfig) -> tuple[tuple[int, ...], str]:
@@ -189,6 +202,7 @@ class Job:
     val_bytes_per_token: float = 1.0  # of the validation split: for bits per byte
     cross_node_bytes: float = 0.0
     intra_node_bytes: float = 0.0
+    state_bytes: int = 0  # of the model and optimizer state, per device
 
     def batches(self, split: str, start: int, stop: int) -> BatchLoader:
         """Batches start..stop-1 of a split on the mesh, read ahead by grain
@@ -299,6 +313,7 @@ def build(cfg: RunConfig, log=print) -> Job:
         state = trainer.init()
     job = Job(cfg, model_cfg, data, trainer, checkpointer, state, position, run_identity)
     job.saved_at = position
+    job.state_bytes = bytes_per_device(state)
     job.slicing = slicing
     job.val_bytes_per_token = corpus.bytes_per_token(data, text.tokenizer)
     rows = local_rows(trainer.batch_sharding(), (cfg.batch, model_cfg.seq_len))
@@ -369,9 +384,11 @@ def _ranges(rows: list[int]) -> str:
 def loop(job: Job, stop: StopRequest | None = None) -> Iterator[dict]:
     """Train from `job.position` to `cfg.steps`; yields each step's record
     (`step`, `loss`, `grad_norm`, `skipped`, `tokens_per_s`,
-    `cross_node_bytes`, `data_wait_s`: the time the step waited for its
-    batch, and `val_loss` / `val_bpb` (bits per byte) where evaluated). Checkpoints are
-    numbered by data position, which every step advances.
+    `cross_node_bytes`, `state_bytes_per_device`: the bytes of the model and
+    optimizer state one device holds, `data_wait_s`: the time the step
+    waited for its batch, and `val_loss` / `val_bpb` (bits per byte) where
+    evaluated). Checkpoints are numbered by data position, which every step
+    advances.
 
     Before each step it asks `stop` (all processes agree on the answer);
     once a signal was received it saves a checkpoint of the steps done
@@ -403,6 +420,7 @@ def loop(job: Job, stop: StopRequest | None = None) -> Iterator[dict]:
             "skipped": int(metrics["skipped"]),
             "tokens_per_s": tokens_per_step / elapsed,
             "cross_node_bytes": job.cross_node_bytes,
+            "state_bytes_per_device": job.state_bytes,
             "data_wait_s": waited,
         }
         last = job.position == cfg.steps
@@ -594,7 +612,14 @@ def _train(job: Job, stop: StopRequest) -> list[dict]:
         if job.train_step is not None
         else ""
     )
-    output.log(f"{model_name(cfg)}: {params:,} parameters; mesh {mesh}{moved}")
+    moved += f"; state {job.state_bytes:,} B per device"
+    if cfg.lora is not None:
+        trained = nnx.state(job.trainer.model(job.state), nnx.Param)
+        lora = sum(x.size for x in jax.tree.leaves(trained))
+        params = f"{params:,} frozen parameters and {lora:,} of LoRA (rank {cfg.lora})"
+    else:
+        params = f"{params:,} parameters"
+    output.log(f"{model_name(cfg)}: {params}; mesh {mesh}{moved}")
     output.log(f"data: {job.corpus}")
     records, finished = [], False
     try:

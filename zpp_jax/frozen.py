@@ -1,0 +1,183 @@
+"""Frozen weights: parameters that train nothing (a LoRA's base), stored
+in the qwZ block format and gathered as codes.
+
+`zpp.shard(model, mesh, config, freeze=FILTER)` takes each unit's
+parameters that FILTER names out of training (`freeze_unit`):
+
+* those split over the devices are quantized once (``config.frozen_bits``:
+  8 or 4 bits in blocks of ``config.block_size``; None keeps their dtype)
+  and stored as one wire per device, a unit's `FrozenWeights`: what a
+  forward gather of them would send, made once instead of every step. The
+  parameters themselves become value-less `FrozenParam` placeholders that
+  keep their path, shape and dtype; a call of the unit fills them with the
+  weights decoded from the gathered codes.
+* those kept whole (too small to split) stay whole, as `FrozenParam`s
+  with their value, and get no gradient.
+
+Frozen parameters outside any unit (an embedding, a final norm) become
+`FrozenParam`s with their value, split as other parameters are: nothing
+trains them, and they are not quantized.
+
+None of them is an `nnx.Param`, so optimizers (``wrt=nnx.Param``) and
+gradients skip them. `zpp_jax.sharded.frozen_values` decodes them back
+(for export or a reference model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zpp_jax.config import ZeroPPConfig
+from zpp_jax.errors import UsageError
+from zpp_jax.mesh import AXES, place, shard_dim
+from zpp_jax.partition import ParamLayout
+from zpp_jax.wire import WeightWire
+
+
+class FrozenParam(nnx.Variable):
+    """A parameter that trains nothing. Value None inside a unit (its
+    codes are in the unit's `FrozenWeights`; metadata `shape`, `dtype`),
+    else the weight itself."""
+
+
+class FrozenWeights(nnx.Variable):
+    """A unit's frozen weights as they travel: each device's wire
+    (`WeightWire.encode` of its blocks), concatenated over the devices and
+    split over them again."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenSpec:
+    """One split frozen parameter of a unit: its path in the unit, shape,
+    dtype and split dimension, as stored."""
+
+    path: tuple
+    shape: tuple[int, ...]
+    dtype: Any
+    dim: int
+
+
+def frozen_config(config: ZeroPPConfig) -> ZeroPPConfig:
+    """The configuration frozen weights travel by: quantized with
+    ``frozen_bits`` (or unquantized when None), no gradient settings."""
+    bits = config.frozen_bits
+    return config.replace(
+        quantize_weights=bits is not None,
+        weight_bits=config.weight_bits if bits is None else bits,
+        quantize_gradients=False,
+        error_feedback=False,
+    )
+
+
+def frozen_layout(config: ZeroPPConfig, specs: tuple[FrozenSpec, ...], n: int) -> ParamLayout:
+    """The per-device layout of a unit's split frozen parameters."""
+    return ParamLayout.from_tree(
+        [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in specs],
+        [s.dim for s in specs],
+        n,
+        1,
+        config.block_size if config.frozen_bits is not None else None,
+    )
+
+
+def frozen_wire(config: ZeroPPConfig, layout: ParamLayout, compute_dtype=None) -> WeightWire:
+    return WeightWire(layout, frozen_config(config), compute_dtype)
+
+
+def encode_frozen(
+    config: ZeroPPConfig, specs: tuple[FrozenSpec, ...], values: list, mesh: Mesh
+) -> jax.Array | jax.ShapeDtypeStruct:
+    """Every device's wire of `values` (the split frozen parameters,
+    placed as `specs` says), (N * bytes,) split over the devices; abstract
+    values give the abstract result."""
+    n = mesh.devices.size
+    layout = frozen_layout(config, specs, n)
+    wire = frozen_wire(config, layout)
+
+    def local(*blocks):
+        return wire.encode(layout.pack(layout.treedef.unflatten(list(blocks))))
+
+    in_specs = tuple(P(*[AXES if i == s.dim else None for i in range(len(s.shape))]) for s in specs)
+    encode = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(AXES), check_vma=False)
+    )
+    if any(isinstance(v, jax.ShapeDtypeStruct) for v in values):
+        out = jax.eval_shape(encode, *values)
+        return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=NamedSharding(mesh, P(AXES)))
+    return encode(*values)
+
+
+def decode_frozen(
+    config: ZeroPPConfig, specs: tuple[FrozenSpec, ...], stored: jax.Array, n: int
+) -> list[jax.Array]:
+    """The full frozen parameters (in their dtype) from a unit's stored
+    wire (global view: gathers it). For export and reference models."""
+    layout = frozen_layout(config, specs, n)
+    wire = frozen_wire(config, layout)
+    rows = jnp.asarray(stored).reshape(n, -1)
+    return jax.tree.leaves(jax.jit(wire.decode)(rows))
+
+
+def freeze_unit(
+    module: nnx.Module, frozen: list, mesh: Mesh, config: ZeroPPConfig, stacked: bool, name: str
+) -> tuple[FrozenSpec, ...]:
+    """Store the unit `module`'s `frozen` parameters ((path, variable)
+    pairs) as frozen weights: the split ones as one `FrozenWeights` wire
+    (``module._zpp_frozen``) and value-less `FrozenParam`s, the whole ones
+    as `FrozenParam`s holding their value on every device. Returns the
+    split ones' specs, for the unit's calls.
+
+    Memory per device: the wire, about bits/8 bytes per element over N
+    (plus a scale per block), and the whole ones in their dtype.
+    """
+    if stacked:
+        raise UsageError(
+            f"unit {name} is a stack of layers (nnx.scan / nnx.vmap); frozen weights are "
+            "stored for units of one layer: build the model's layers as a list"
+        )
+    n = mesh.devices.size
+    specs, values = [], []
+    for path, var in frozen:
+        value = var.get_value()
+        dim = shard_dim(np.shape(value), n, False, keep_below=config.persistence_threshold)
+        if dim is None:
+            set_variable(module, path, FrozenParam(place(value, mesh, None)))
+            continue
+        dtype = jnp.dtype(value.dtype)
+        specs.append(FrozenSpec(tuple(path), tuple(np.shape(value)), dtype, dim))
+        values.append(place(value, mesh, dim))
+        set_variable(module, path, FrozenParam(None, shape=tuple(np.shape(value)), dtype=dtype))
+    if specs:
+        module._zpp_frozen = FrozenWeights(encode_frozen(config, tuple(specs), values, mesh))
+    return tuple(specs)
+
+
+def call_operands(items) -> tuple:
+    """(The unit's stored frozen wire or None, (path, value) of each frozen
+    parameter that holds its value)."""
+    stored = [v.get_value() for _, v in items if isinstance(v, FrozenWeights)]
+    whole = [
+        (p, v.get_value())
+        for p, v in items
+        if isinstance(v, FrozenParam) and v.get_value() is not None
+    ]
+    return (stored[0] if stored else None), whole
+
+
+def set_variable(module: nnx.Module, path: tuple, variable: nnx.Variable) -> None:
+    """Put `variable` at `path` (relative to `module`) in place of what is there."""
+    node = module
+    for key in path[:-1]:
+        node = getattr(node, key) if isinstance(key, str) and hasattr(node, key) else node[key]
+    if isinstance(path[-1], str) and hasattr(node, path[-1]):
+        setattr(node, path[-1], variable)
+    else:
+        node[path[-1]] = variable
