@@ -173,3 +173,33 @@ def test_a_checkpoint_without_a_tokenizer_or_config_is_refused(tmp_path, capfd):
     assert "has no tokenizer.json" in capfd.readouterr().err
     assert main(["train", "--init", str(tmp_path / "nothing"), "--data", str(data)]) == 2
     assert "a Hugging Face checkpoint has a config.json" in capfd.readouterr().err
+
+
+def test_a_lora_run_trains_adapters_and_exports_them_merged(tmp_path, capfd):
+    """zpp train --lora over the checkpoint (an int8 base): the metrics
+    carry the state bytes per device; the export merges the adapters, and
+    the exported model's validation loss is the run's last (to the
+    rounding of fp32 sums in another order)."""
+    ckpt, data = write_finetune(tmp_path)
+    metrics, run = tmp_path / "m.jsonl", str(tmp_path / "run")
+    extra = ["--lora", "4", "--metrics", str(metrics), "--ckpt-dir", run]
+    assert _train(tmp_path, ckpt, data, *extra) == 0
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert records[0]["state_bytes_per_device"] > 0
+    assert records[-1]["loss"] < records[0]["loss"]
+    out = tmp_path / "exported"
+    assert main(["export", "--ckpt-dir", run, "--hf", str(out), "--dtype", "float32"]) == 0
+    cfg = RunConfig(init=str(ckpt), data=str(data), seq_len=24, batch=8)
+    data_set = run_corpus.load(cfg).dataset(24, 304)
+    model = hf.load(out, seq_len=24)
+    losses = []
+    for i in range(4):
+        batch = data_set.batch("val", i, 8, seed=0)
+        logits = model(jnp.asarray(batch["inputs"]))
+        losses.append(float(cross_entropy(logits, batch["targets"], batch["weights"])))
+    assert np.mean(losses) == pytest.approx(records[-1]["val_loss"], rel=1e-5)
+    capfd.readouterr()
+    assert main(["train", "--init", str(ckpt), "--data", str(data), "--lora", "0"]) == 2
+    assert "--lora: must be an int from 1" in capfd.readouterr().err
+    assert main(["train", "--init", str(ckpt), "--data", str(data), "--lora-targets", "q"]) == 2
+    assert "--lora-targets names the layers --lora adapts" in capfd.readouterr().err
