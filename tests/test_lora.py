@@ -173,3 +173,29 @@ def test_bad_lora_settings_are_refused():
         add_lora(Llama(CFG, nnx.Rngs(0)), 4, targets=("attn_out",))
     with pytest.raises(UsageError, match="frozen_bits=2 is not supported"):
         zpp.ZeroPPConfig(frozen_bits=2)
+
+
+def test_frozen_codes_restore_on_a_mesh_of_their_shape(tmp_path):
+    """A checkpoint of a LoRA trainer restores its codes bit for bit on a
+    mesh of the same shape; on another one, whose blocks differ, it is
+    refused in one line naming the saved mesh; `saved_mesh` reads the
+    shape from the files alone."""
+    from zpp_jax.checkpoint import Checkpointer
+
+    def trainer(mesh):
+        return Trainer(_lora_llama(), optax.adam(1e-2), mesh, zpp.ZeroPPConfig(), freeze=FROZEN)
+
+    saved = trainer(zpp.make_mesh(2, 4))
+    state = saved.init()
+    Checkpointer(tmp_path).save(1, state, mesh={"node": 2, "local": 4})
+    assert Checkpointer.saved_mesh(tmp_path) == {"node": 2, "local": 4}
+    again = trainer(zpp.make_mesh(2, 4))
+    restored, _ = Checkpointer(tmp_path).restore(again.abstract_state())
+    codes = jax.tree.leaves(nnx.state(saved.model(state), FrozenWeights))
+    back = jax.tree.leaves(nnx.state(again.model(restored), FrozenWeights))
+    assert len(codes) == len(back) == 5
+    for a, b in zip(codes, back, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    other = trainer(zpp.make_mesh(1, 4, devices=jax.devices()[:4]))
+    with pytest.raises(UsageError, match="codes for a mesh of 2 x 4, whose blocks differ"):
+        Checkpointer(tmp_path).restore(other.abstract_state())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import pathlib
@@ -37,6 +38,11 @@ from jax.sharding import SingleDeviceSharding
 from zpp_jax.errors import OutputError, UsageError
 
 _RESIDUAL = "_zpp_residual"
+_FROZEN = "_zpp_frozen"
+
+
+def _mesh_text(mesh: dict | None) -> str:
+    return " x ".join(str(v) for v in mesh.values()) if mesh else "another shape"
 
 
 def _flat(tree: Any) -> dict[str, Any]:
@@ -229,6 +235,22 @@ class Checkpointer:
             return []
         return sorted(int(p.name) for p in folder.iterdir() if is_checkpoint(p))
 
+    @staticmethod
+    def saved_mesh(directory: str | pathlib.Path, step: int | None = None) -> dict | None:
+        """The mesh shape ({"node": n, "local": l}) checkpoint `step`
+        (default: the newest) was saved on, read from its metadata file
+        alone, before any device is touched (a command can then emulate
+        that many CPU devices); None if there is no such checkpoint."""
+        steps = Checkpointer.steps_in(directory)
+        step = (steps[-1] if steps else None) if step is None else step
+        file = pathlib.Path(directory) / str(step) / "meta" / "metadata"
+        if step is None or not file.is_file():
+            return None
+        try:
+            return json.loads(file.read_text()).get("mesh")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+
     def set_aside(self, step: int) -> pathlib.Path:
         """Rename checkpoint `step` to ``<step>.damaged`` (``.damaged-2``, ...
         if taken), so that it is kept but no longer counts as a checkpoint
@@ -290,6 +312,12 @@ class Checkpointer:
             elif _RESIDUAL in key:
                 request[key] = jax.ShapeDtypeStruct(shape, t.dtype, sharding=host)
                 reset.append(key)
+            elif _FROZEN in key:
+                raise UsageError(
+                    f"checkpoint {step} in {self.directory} holds frozen weights stored as codes "
+                    f"for a mesh of {_mesh_text(meta.get('mesh'))}, whose blocks differ on "
+                    "this one: restore it on a mesh of that shape"
+                )
             else:
                 raise UsageError(
                     f"checkpoint {step} holds {key} with shape {shape}, the target has "

@@ -14,9 +14,14 @@ parameters that FILTER names out of training (`freeze_unit`):
 * those kept whole (too small to split) stay whole, as `FrozenParam`s
   with their value, and get no gradient.
 
-Frozen parameters outside any unit (an embedding, a final norm) become
+Frozen parameters outside every unit (those a policy leaves out) become
 `FrozenParam`s with their value, split as other parameters are: nothing
 trains them, and they are not quantized.
+
+Memory per device: about bits/8 bytes per frozen element over N (a
+quarter or an eighth of fp32), plus a 4-byte scale per block. The codes'
+blocks follow each device's share, so a checkpoint of them restores onto
+a mesh of the same size only (`Checkpointer.restore` says so).
 
 None of them is an `nnx.Param`, so optimizers (``wrt=nnx.Param``) and
 gradients skip them. `zpp_jax.sharded.frozen_values` decodes them back
@@ -65,15 +70,18 @@ class FrozenSpec:
     dim: int
 
 
-def frozen_config(config: ZeroPPConfig) -> ZeroPPConfig:
+def frozen_config(config: ZeroPPConfig, dtypes=()) -> ZeroPPConfig:
     """The configuration frozen weights travel by: quantized with
-    ``frozen_bits`` (or unquantized when None), no gradient settings."""
+    ``frozen_bits``, or, when None, as the raw bits of their own dtype
+    (the widest of `dtypes`); no gradient settings."""
     bits = config.frozen_bits
+    own = jnp.result_type(*dtypes).name if dtypes else "float32"
     return config.replace(
         quantize_weights=bits is not None,
         weight_bits=config.weight_bits if bits is None else bits,
         quantize_gradients=False,
         error_feedback=False,
+        comm_dtype=config.comm_dtype if bits is not None else own,
     )
 
 
@@ -89,7 +97,8 @@ def frozen_layout(config: ZeroPPConfig, specs: tuple[FrozenSpec, ...], n: int) -
 
 
 def frozen_wire(config: ZeroPPConfig, layout: ParamLayout, compute_dtype=None) -> WeightWire:
-    return WeightWire(layout, frozen_config(config), compute_dtype)
+    """How a unit's frozen weights (`layout`) are stored and travel."""
+    return WeightWire(layout, frozen_config(config, layout.dtypes), compute_dtype)
 
 
 def encode_frozen(

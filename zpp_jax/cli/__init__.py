@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import os
 import signal
 import sys
@@ -267,6 +268,19 @@ def _comm_parser(sub) -> None:
         help="keep parameters of fewer elements whole on every device, in every "
         "engine configuration (ZeroPPConfig.persistence_threshold; default 0: shard all)",
     )
+    comm.add_argument(
+        "--lora",
+        type=count(why="dimensions of each adapter"),
+        default=None,
+        help="the step of LoRA adapters of this rank over the frozen base (engine configs)",
+    )
+    comm.add_argument(
+        "--frozen-bits",
+        type=lambda text: None if text == "none" else int(text),
+        choices=(8, 4, None),
+        default=8,
+        help="with --lora: bits per code of the frozen base, or none for its own dtype",
+    )
     comm.add_argument("--json", action="store_true", help="print JSON instead of a table")
     comm.set_defaults(func=_comm)
 
@@ -429,7 +443,18 @@ def _export_parser(sub) -> None:
     export.set_defaults(func=_export)
 
 
+def _emulate_saved_mesh(ckpt_dir: str, step: int | None) -> None:
+    """On CPU, as many emulated devices as the checkpoint's mesh had (set
+    before JAX starts): a run's frozen codes restore onto that shape."""
+    from zpp_jax.checkpoint import Checkpointer
+
+    mesh = Checkpointer.saved_mesh(ckpt_dir, step)
+    if mesh:
+        _use_emulated_devices(math.prod(mesh.values()), "the checkpoint's mesh")
+
+
 def _export(args) -> int:
+    _emulate_saved_mesh(args.ckpt_dir, args.step)
     from zpp_jax.recipes.export import export_hf
 
     written = export_hf(
@@ -465,6 +490,7 @@ def _sample_parser(sub) -> None:
 
 
 def _sample(args) -> int:
+    _emulate_saved_mesh(args.ckpt_dir, args.step)
     from zpp_jax.recipes.sample import sample_run
 
     text = sample_run(

@@ -28,6 +28,7 @@ from zpp_jax.analysis import step_report, target_mesh
 from zpp_jax.baseline import JitFSDP
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
+from zpp_jax.lora import FROZEN, add_lora
 from zpp_jax.mesh import make_mesh
 from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
 from zpp_jax.train import Trainer
@@ -51,6 +52,7 @@ def compare(
     seq_len: int,
     configs=None,
     compute_dtype=None,
+    freeze=None,
 ) -> list[dict]:
     """`step_report` of a language model's training step (AdamW) for each
     configuration (default: ZeRO-3, each technique alone, all three), on
@@ -58,13 +60,16 @@ def compare(
     `ZeroPPConfig` (a `Trainer` of the engine) or a baseline's builder
     from `BASELINES` (reported with ``config`` ``{"baseline": name}``).
     `make_model` may build the model abstractly (``nnx.eval_shape``), as it
-    must for a compile-only mesh (`zpp_jax.analysis.target_mesh`)."""
+    must for a compile-only mesh (`zpp_jax.analysis.target_mesh`).
+    `freeze` (the engine's configurations only): the parameters that train
+    nothing, as `zpp.shard` takes it."""
     configs = DEFAULT_CONFIGS if configs is None else configs
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     reports = []
     for name, cfg in configs.items():
         if isinstance(cfg, ZeroPPConfig):
-            step = Trainer(make_model(), optax.adamw(1e-3), mesh, cfg, compute_dtype=compute_dtype)
+            kw = dict(compute_dtype=compute_dtype, freeze=freeze)
+            step = Trainer(make_model(), optax.adamw(1e-3), mesh, cfg, **kw)
             described = dataclasses.asdict(cfg)
         else:  # a baseline's builder (`BASELINES`)
             step = cfg(make_model(), optax.adamw(1e-3), mesh, compute_dtype=compute_dtype)
@@ -85,9 +90,16 @@ def run_comm(args) -> int:
     configs = {
         name: BASELINES[name]
         if name in BASELINES
-        else DEFAULT_CONFIGS[name].replace(persistence_threshold=args.persistence_threshold)
+        else DEFAULT_CONFIGS[name].replace(
+            persistence_threshold=args.persistence_threshold, frozen_bits=args.frozen_bits
+        )
         for name in args.configs
     }
+    freeze = None
+    if args.lora is not None:
+        if set(args.configs) & set(BASELINES):
+            raise UsageError("--lora compiles the engine's LoRA step; drop the baselines (jit)")
+        freeze = FROZEN
     if args.target == "cpu":
         mesh, make = make_mesh(args.nodes, args.local), build
     else:
@@ -97,7 +109,7 @@ def run_comm(args) -> int:
             return nnx.eval_shape(build)
 
     compute = None if args.compute_dtype == "model" else args.compute_dtype
-    reports = compare(make, mesh, args.batch, model.seq_len, configs, compute)
+    reports = compare(make, mesh, args.batch, model.seq_len, configs, compute, freeze)
     if args.json:
         print(json.dumps({"configs": reports}))
         return 0
@@ -116,7 +128,8 @@ def _model(args):
     model = config_class.preset(args.model, **seq)
 
     def build():
-        return model_class(model, nnx.Rngs(0))
+        made = model_class(model, nnx.Rngs(0))
+        return made if args.lora is None else add_lora(made, args.lora)
 
     return model, build
 
@@ -124,8 +137,11 @@ def _model(args):
 def _print_table(args, model, build, reports: list[dict]) -> None:
     base = reports[0]["cross_node_bytes"]
     params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(build), nnx.Param)))
+    lora = ""
+    if args.lora is not None:
+        lora = f", LoRA of rank {args.lora} over a base of {args.frozen_bits or 'own-dtype'} bits"
     print(
-        f"{args.arch} {args.model} ({params:,} parameters) on {args.target}, mesh "
+        f"{args.arch} {args.model} ({params:,} parameters{lora}) on {args.target}, mesh "
         f"{args.nodes} x {args.local}, batch {args.batch} x {model.seq_len}; per device per step:"
     )
     print(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import shutil
 
@@ -51,13 +52,11 @@ def restore_run_model(ckpt_dir: str | pathlib.Path, step: int | None = None):
     Raises:
       UsageError: no such checkpoint, or a token-pipeline run.
     """
-    import jax
     from flax import nnx
 
     from zpp_jax import hf
     from zpp_jax.checkpoint import Checkpointer, check_directory
     from zpp_jax.lora import FROZEN, add_lora
-    from zpp_jax.mesh import make_mesh
     from zpp_jax.models import Llama
     from zpp_jax.recipes.train import lora_targets, make_optimizer, model_class, model_config
     from zpp_jax.train import Trainer
@@ -84,12 +83,37 @@ def restore_run_model(ckpt_dir: str | pathlib.Path, step: int | None = None):
         model = model_type(model_cfg, nnx.Rngs(0))
         return model if cfg.lora is None else add_lora(model, cfg.lora, lora_targets(cfg))
 
-    # Any mesh restores the parameters; this process's devices, as one node.
-    mesh = make_mesh(1, jax.device_count())
+    mesh = _restore_mesh(ckpt_dir, step, cfg)
     freeze = None if cfg.lora is None else FROZEN
     trainer = Trainer(nnx.eval_shape(make), make_optimizer(cfg), mesh, cfg.zero, freeze=freeze)
     state, _ = checkpointer.restore(trainer.abstract_state(), step)
     return trainer.model(state), cfg, step
+
+
+def _restore_mesh(ckpt_dir: pathlib.Path, step: int, cfg: RunConfig):
+    """The mesh the checkpoint was saved on, if this process has the
+    devices; else (parameters restore onto any mesh) its devices as one
+    node. A LoRA run's frozen codes need the saved shape.
+
+    Raises:
+      UsageError: a LoRA run saved on more devices than this process has.
+    """
+    import jax
+
+    from zpp_jax.checkpoint import Checkpointer
+    from zpp_jax.mesh import make_mesh
+
+    saved = Checkpointer.saved_mesh(ckpt_dir, step)
+    n = math.prod(saved.values()) if saved else 0
+    if saved and n <= jax.device_count():
+        return make_mesh(saved["node"], saved["local"], devices=jax.devices()[:n])
+    if cfg.lora is not None:
+        raise UsageError(
+            f"this LoRA run stored its frozen base as codes for a mesh of {n} devices; restore it "
+            f"on {n} devices (this process has {jax.device_count()}; on CPU, set "
+            f"JAX_NUM_CPU_DEVICES={n})"
+        )
+    return make_mesh(1, jax.device_count())
 
 
 def export_hf(
