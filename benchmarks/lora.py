@@ -114,9 +114,10 @@ def state_per_device(rank: int = 16, nodes: int = 2, local: int = 4) -> dict:
     import optax
     from flax import nnx
 
+    from zpp_jax.analysis.report import state_bytes_per_device
     from zpp_jax.config import ZeroPPConfig
     from zpp_jax.lora import FROZEN, add_lora
-    from zpp_jax.mesh import bytes_per_device, make_mesh
+    from zpp_jax.mesh import make_mesh
     from zpp_jax.models import Llama, LlamaConfig
     from zpp_jax.train import Trainer
 
@@ -137,7 +138,7 @@ def state_per_device(rank: int = 16, nodes: int = 2, local: int = 4) -> dict:
         config = ZeroPPConfig(comm_dtype="bfloat16", frozen_bits=bits)
         model = nnx.eval_shape(lambda dtype=dtype: make(dtype))
         trainer = Trainer(model, optax.adamw(1e-4), mesh, config, freeze=FROZEN)
-        out[name] = bytes_per_device(trainer.abstract_state())
+        out[name] = state_bytes_per_device(trainer.abstract_state())
     return out
 
 
@@ -241,6 +242,7 @@ def _plot(runs: dict, path: pathlib.Path) -> None:
         ax.plot(steps, val, "o-", color=line[0].get_color(), label=f"{name} validation")
     ax.set_xlabel("step")
     ax.set_ylabel("loss on completions (nats per token)")
+    ax.set_yscale("log")
     ax.set_title("LoRA over the frozen base: fp32 weights, int8 and int4 codes")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)

@@ -203,3 +203,42 @@ def test_a_lora_run_trains_adapters_and_exports_them_merged(tmp_path, capfd):
     assert "--lora: must be an int from 1" in capfd.readouterr().err
     assert main(["train", "--init", str(ckpt), "--data", str(data), "--lora-targets", "q"]) == 2
     assert "--lora-targets names the layers --lora adapts" in capfd.readouterr().err
+
+
+def test_a_broken_checkpoint_is_refused_before_anything_is_written(tmp_path, capfd):
+    """A tensor whose shape config.json does not imply, an index naming a
+    missing shard, an unsupported architecture: one line, exit status 2,
+    and neither the checkpoint directory nor the metrics file exists."""
+    ckpt, data = write_finetune(tmp_path)
+    config = json.loads((ckpt / "config.json").read_text())
+    cases = {
+        "shape": {**config, "intermediate_size": 96},
+        "architecture": {**config, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
+    }
+    run, metrics = tmp_path / "run", tmp_path / "m.jsonl"
+    for case, broken in cases.items():
+        (ckpt / "config.json").write_text(json.dumps(broken))
+        code = main(
+            ["train", "--init", str(ckpt), "--data", str(data), "--ckpt-dir", str(run)]
+            + ["--metrics", str(metrics)]
+        )
+        err = capfd.readouterr().err
+        assert code == 2 and err.startswith("zpp train: error: --init: "), (case, err)
+        assert err.count("\n") == 1 and not run.exists() and not metrics.exists(), (case, err)
+    assert "gate_proj.weight has shape (64, 32), but config.json implies (96, 32)" in (
+        _refusal(ckpt, data, cases["shape"], capfd)
+    )
+    (ckpt / "config.json").write_text(json.dumps(config))
+    hf.save(hf.load(ckpt), tmp_path / "sharded", max_shard_bytes=8192)
+    (tmp_path / "sharded" / "tokenizer.json").write_text((ckpt / "tokenizer.json").read_text())
+    shard = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[1]
+    shard.unlink()
+    code = main(["train", "--init", str(tmp_path / "sharded"), "--data", str(data)])
+    err = capfd.readouterr().err
+    assert code == 2 and f"names the shard {shard.name}, which does not exist" in err
+
+
+def _refusal(ckpt, data, config, capfd) -> str:
+    (ckpt / "config.json").write_text(json.dumps(config))
+    main(["train", "--init", str(ckpt), "--data", str(data)])
+    return capfd.readouterr().err

@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 
 import zpp_jax as zpp
+from zpp_jax.analysis.report import state_bytes_per_device
 from zpp_jax.errors import UsageError
 from zpp_jax.frozen import FrozenParam, FrozenWeights
 from zpp_jax.lora import FROZEN, add_lora, merge_lora
-from zpp_jax.mesh import bytes_per_device
 from zpp_jax.models import Llama, LlamaConfig
 from zpp_jax.sharded import frozen_values, unshard
 from zpp_jax.train import Trainer
@@ -116,7 +116,7 @@ def test_codes_take_a_quarter_or_an_eighth_of_the_fp32_base():
         sharded = zpp.shard(
             _lora_llama(), zpp.make_mesh(2, 4), EXACT.replace(frozen_bits=bits), freeze=FROZEN
         )
-        return bytes_per_device(nnx.state(sharded, FrozenWeights))
+        return state_bytes_per_device(nnx.state(sharded, FrozenWeights))
 
     fp32, int8, int4 = unit_bytes(None), unit_bytes(8), unit_bytes(4)
     assert int8 <= 0.26 * fp32 and int4 <= 0.14 * fp32, (fp32, int8, int4)

@@ -198,15 +198,3 @@ def place(value, mesh: Mesh, dim: int | None) -> jax.Array | jax.ShapeDtypeStruc
     if isinstance(value, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
     return jax.device_put(value, sharding)
-
-
-def bytes_per_device(tree) -> int:
-    """Bytes one device holds of `tree`'s arrays: its own block of each
-    split array, a whole copy of the others (the largest device's, for
-    blocks of uneven size)."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
-        shape = sharding.shard_shape(leaf.shape) if sharding is not None else np.shape(leaf)
-        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
-    return total

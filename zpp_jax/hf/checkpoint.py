@@ -161,6 +161,19 @@ def load(
     return nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())), rest)
 
 
+def check(path: str | pathlib.Path) -> None:
+    """Raise UsageError, as `load` would, unless `path` is a checkpoint
+    `load` reads: its config, its files and every tensor's name and shape
+    (read from the headers alone: no weight is read, nothing is built)."""
+    directory = pathlib.Path(path)
+    cfg = llama_config(read_config(directory))
+    files, plan = weight_files(directory), sources(cfg)
+    abstract = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
+    flat = dict(nnx.to_flat_state(nnx.state(abstract, nnx.Param)))
+    with TensorReader(files) as reader:
+        _check_tensors(directory, files, plan, flat, reader)
+
+
 def _check_tensors(directory, files, plan, flat, reader: TensorReader) -> None:
     """Raise UsageError unless the checkpoint holds exactly the model's
     tensors, each of the shape its config implies (headers only)."""

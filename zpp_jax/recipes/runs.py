@@ -132,12 +132,13 @@ def differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = ""
 
 def check_init(init: str) -> None:
     """Raise UsageError unless `init` is a checkpoint directory of a
-    supported family (its config.json) with a tokenizer.json (the weights
-    are checked when they are read)."""
-    from zpp_jax.hf.config import read_config
+    supported family with a tokenizer.json, whose config.json, weight
+    files and tensors' names and shapes `zpp_jax.hf.load` accepts (headers
+    only: nothing is read or written)."""
+    from zpp_jax.hf.checkpoint import check
 
     try:
-        read_config(init)
+        check(init)
     except UsageError as e:
         raise UsageError(f"--init: {e}") from None
     if not (pathlib.Path(init) / "tokenizer.json").is_file():

@@ -33,12 +33,13 @@ import optax
 from flax import nnx
 
 from zpp_jax.analysis import summarize
+from zpp_jax.analysis.report import state_bytes_per_device
 from zpp_jax.checkpoint import Checkpointer
 from zpp_jax.data import BatchLoader, TokenDataset, local_rows
 from zpp_jax.data.examples import ExampleDataset
 from zpp_jax.data.tokenizer import bpe_size
 from zpp_jax.errors import INT32_MAX, UsageError
-from zpp_jax.mesh import bytes_per_device, make_mesh
+from zpp_jax.mesh import make_mesh
 from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
 from zpp_jax.pipeline.planner import folded
 from zpp_jax.preemption import Stopped, StopRequest
@@ -313,7 +314,7 @@ def build(cfg: RunConfig, log=print) -> Job:
         state = trainer.init()
     job = Job(cfg, model_cfg, data, trainer, checkpointer, state, position, run_identity)
     job.saved_at = position
-    job.state_bytes = bytes_per_device(state)
+    job.state_bytes = state_bytes_per_device(state)
     job.slicing = slicing
     job.val_bytes_per_token = corpus.bytes_per_token(data, text.tokenizer)
     rows = local_rows(trainer.batch_sharding(), (cfg.batch, model_cfg.seq_len))
