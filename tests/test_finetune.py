@@ -175,6 +175,7 @@ def test_a_checkpoint_without_a_tokenizer_or_config_is_refused(tmp_path, capfd):
     assert "a Hugging Face checkpoint has a config.json" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_lora_run_trains_adapters_and_exports_them_merged(tmp_path, capfd):
     """zpp train --lora over the checkpoint (an int8 base): the metrics
     carry the state bytes per device; the export merges the adapters, and
