@@ -199,3 +199,22 @@ def test_frozen_codes_restore_on_a_mesh_of_their_shape(tmp_path):
     other = trainer(zpp.make_mesh(1, 4, devices=jax.devices()[:4]))
     with pytest.raises(UsageError, match="codes for a mesh of 2 x 4, whose blocks differ"):
         Checkpointer(tmp_path).restore(other.abstract_state())
+
+
+def test_the_lora_step_gathers_codes_and_reduces_the_adapters_through_qgz():
+    """The compiled LoRA step (every technique on, int8 base): every
+    all-gather carries bytes (codes, both the frozen base's and the
+    adapters'), over the nodes and inside them (hpZ); the gradient
+    reduction is qgZ's all-to-all, once per unit with adapters (the two
+    layers: the embedding, final norm and head train nothing)."""
+    from zpp_jax.analysis import step_report
+
+    mesh = zpp.make_mesh(2, 4)
+    trainer = Trainer(_lora_llama(), optax.adam(1e-3), mesh, zpp.ZeroPPConfig(), freeze=FROZEN)
+    tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
+    report = step_report(trainer, {"inputs": tokens, "targets": tokens})
+    gathers = [c for c in report["collectives"] if c["kind"] == "all-gather"]
+    assert gathers and all(c["dtypes"] == ["u8"] for c in gathers)
+    assert {c["spans_nodes"] for c in gathers} == {True, False}
+    all_to_all = [c for c in report["collectives"] if c["kind"] == "all-to-all"]
+    assert len(all_to_all) == 2 and all(set(c["dtypes"]) == {"u8"} for c in all_to_all)
