@@ -201,6 +201,7 @@ def test_frozen_codes_restore_on_a_mesh_of_their_shape(tmp_path):
         Checkpointer(tmp_path).restore(other.abstract_state())
 
 
+@pytest.mark.slow
 def test_the_lora_step_gathers_codes_and_reduces_the_adapters_through_qgz():
     """The compiled LoRA step (every technique on, int8 base): every
     all-gather carries bytes (codes, both the frozen base's and the
