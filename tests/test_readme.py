@@ -1,5 +1,5 @@
-"""The README as a user reads it: every Python block runs as written, and
-what it says about the package matches the package."""
+"""The README and the guide as a user reads them: every Python block runs
+as written, and what they say about the package matches the package."""
 
 import os
 import pathlib
@@ -14,21 +14,42 @@ import zpp_jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-BLOCKS = re.findall(r"^```python\n(.*?)^```", README, flags=re.S | re.M)
+GUIDE = sorted((ROOT / "docs" / "guide").glob("*.md"))
 
 
-def test_readme_has_python_blocks():
-    assert len(BLOCKS) >= 2
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+# (where, block): the README's, then each guide page's, in order.
+BLOCKS = [("README.md", b) for b in _python_blocks(README)]
+BLOCKS += [(f"docs/guide/{p.name}", b) for p in GUIDE for b in _python_blocks(p.read_text())]
+# A block the README shows and a guide page repeats runs once.
+BLOCKS = list({block: (where, block) for where, block in reversed(BLOCKS)}.values())[::-1]
+
+
+def test_readme_and_guide_have_python_blocks():
+    assert len(_python_blocks(README)) >= 1
+    assert {where for where, _ in BLOCKS} >= {
+        "docs/guide/bring-your-own-model.md",
+        "docs/guide/fine-tuning.md",
+    }
+
+
+def test_readme_is_short():
+    assert README.count("\n") <= 250
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
+@pytest.mark.parametrize(
+    "index", range(len(BLOCKS)), ids=[f"{w}[{i}]" for i, (w, _) in enumerate(BLOCKS)]
+)
 def test_python_block_runs_as_written(tmp_path, index):
     # A fresh interpreter in an empty directory, with none of the test
     # session's device settings: only what the block itself sets.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZPP_", "JAX_NUM_CPU"))}
     r = subprocess.run(
-        [sys.executable, "-c", BLOCKS[index]],
+        [sys.executable, "-c", BLOCKS[index][1]],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -48,7 +69,7 @@ def test_python_version_is_the_one_pyproject_requires():
 
 
 def test_public_names_the_readme_uses_are_exported():
-    used = set(re.findall(r"\bzpp\.([A-Za-z_]\w*)", "\n".join(BLOCKS)))
+    used = set(re.findall(r"\bzpp\.([A-Za-z_]\w*)", "\n".join(b for _, b in BLOCKS)))
     used |= set(re.findall(r"`zpp_jax\.([A-Za-z_]\w*)", README))
     assert used <= set(zpp_jax.__all__), sorted(used - set(zpp_jax.__all__))
     for name in zpp_jax.__all__:

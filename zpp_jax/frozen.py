@@ -46,6 +46,10 @@ from zpp_jax.mesh import AXES, place, shard_dim
 from zpp_jax.partition import ParamLayout
 from zpp_jax.wire import WeightWire
 
+# What a user meets (the variable types in a sharded model's state); the
+# rest is the engine's.
+__all__ = ["FrozenParam", "FrozenWeights"]
+
 
 class FrozenParam(nnx.Variable):
     """A parameter that trains nothing. Value None inside a unit (its

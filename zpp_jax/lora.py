@@ -20,6 +20,8 @@ from flax import nnx
 
 from zpp_jax.errors import UsageError
 
+__all__ = ["DEFAULT_TARGETS", "FROZEN", "add_lora", "merge_lora"]
+
 # The linear layers of `zpp_jax.models.Llama` (attention and MLP).
 DEFAULT_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 FROZEN = nnx.Not(nnx.LoRAParam)

@@ -222,7 +222,7 @@ def shard(
     mesh: Mesh,
     config: ZeroPPConfig | None = None,
     policy: Policy = None,
-    compute_dtype=None,
+    compute_dtype: jax.typing.DTypeLike | None = None,
     *,
     outputs: Outputs = None,
     freeze: nnx.filterlib.Filter | None = None,

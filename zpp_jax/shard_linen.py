@@ -288,7 +288,7 @@ def shard_linen(
     mesh: Mesh,
     config: ZeroPPConfig | None = None,
     policy: Callable[[tuple], bool] | Sequence[tuple] | None = None,
-    compute_dtype=None,
+    compute_dtype: jax.typing.DTypeLike | None = None,
     *,
     outputs: Outputs = None,
 ) -> tuple[ShardedLinen, dict]:

@@ -4,8 +4,9 @@
   into a `CheckpointConfig` (`read_config`); no JAX.
 * `model`: that config as the library's `zpp_jax.models.Llama`
   (`llama_config`).
-* `checkpoint`: the weights in and out (`load`, `save`): safetensors, one
-  file or shards with an index.
+* `checkpoint`: the weights in and out (`load`, `save`, and `check`, which
+  validates a checkpoint from its headers): safetensors, one file or shards
+  with an index.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ _EXPORTS = {
     "parse_config": "zpp_jax.hf.config",
     "read_config": "zpp_jax.hf.config",
     "llama_config": "zpp_jax.hf.model",
+    "check": "zpp_jax.hf.checkpoint",
     "load": "zpp_jax.hf.checkpoint",
     "save": "zpp_jax.hf.checkpoint",
 }

@@ -1,0 +1,54 @@
+"""The API reference (docs/api/*.md, rendered by mkdocstrings) covers every
+public name, and every public name says what it does."""
+
+import inspect
+import pathlib
+import re
+
+import pytest
+
+import zpp_jax
+import zpp_jax.frozen
+import zpp_jax.hf
+import zpp_jax.lora
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+API = "\n".join(p.read_text() for p in sorted((ROOT / "docs" / "api").glob("*.md")))
+DIRECTIVES = set(re.findall(r"^::: ([\w.]+)$", API, flags=re.M))
+# Constants have no docstring of their own: the reference describes them in prose.
+CONSTANTS = {"AXES", "NODE", "LOCAL", "STAGE", "FROZEN", "DEFAULT_TARGETS"}
+
+
+def _public():
+    """(qualified name, object) of every public name: the top level's and
+    the public submodules' that hold a user's API."""
+    out = []
+    for module in (zpp_jax, zpp_jax.hf, zpp_jax.lora, zpp_jax.frozen):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if not inspect.ismodule(obj):
+                out.append((f"{module.__name__}.{name}", obj))
+    return out
+
+
+PUBLIC = _public()
+
+
+@pytest.mark.parametrize("qualified, obj", PUBLIC, ids=[q for q, _ in PUBLIC])
+def test_every_public_name_is_documented(qualified, obj):
+    name = qualified.rsplit(".", 1)[1]
+    if name in CONSTANTS:
+        assert f"`{qualified}`" in API or f"`zpp_jax.{name}`" in API, qualified
+        return
+    assert (inspect.getdoc(obj) or "").strip(), f"{qualified} has no docstring"
+    rendered = {d for d in DIRECTIVES if d.endswith(f".{name}")}
+    assert rendered, f"{qualified} is in no docs/api page (add '::: module.{name}')"
+
+
+def test_every_directive_names_a_public_object():
+    """No page documents something that is not (or no longer) public."""
+    public = {id(obj) for _, obj in PUBLIC}
+    for directive in DIRECTIVES:
+        module, name = directive.rsplit(".", 1)
+        obj = getattr(__import__(module, fromlist=[name]), name)
+        assert id(obj) in public, directive
