@@ -14,7 +14,10 @@ import zpp_jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-GUIDE = sorted((ROOT / "docs" / "guide").glob("*.md"))
+# The pages whose code a reader runs: the guide's and the design notes'.
+GUIDE = sorted((ROOT / "docs" / "guide").glob("*.md")) + sorted(
+    (ROOT / "docs" / "design").glob("*.md")
+)
 
 
 def _python_blocks(text: str) -> list[str]:
@@ -23,7 +26,7 @@ def _python_blocks(text: str) -> list[str]:
 
 # (where, block): the README's, then each guide page's, in order.
 BLOCKS = [("README.md", b) for b in _python_blocks(README)]
-BLOCKS += [(f"docs/guide/{p.name}", b) for p in GUIDE for b in _python_blocks(p.read_text())]
+BLOCKS += [(str(p.relative_to(ROOT)), b) for p in GUIDE for b in _python_blocks(p.read_text())]
 # A block the README shows and a guide page repeats runs once.
 BLOCKS = list({block: (where, block) for where, block in reversed(BLOCKS)}.values())[::-1]
 
