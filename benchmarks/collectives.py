@@ -23,8 +23,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from zpp_jax import AXES, collectives, make_mesh  # noqa: E402
+from zpp_jax import collectives, make_mesh  # noqa: E402
 from zpp_jax.analysis import summarize  # noqa: E402
+from zpp_jax.lowlevel import AXES  # noqa: E402
 
 mesh = make_mesh(args.nodes, args.local)
 n = args.nodes * args.local

@@ -60,7 +60,7 @@ def train_step(params, opt_state, batch):
     return optax.apply_updates(params, updates), opt_state, loss
 
 
-data = zpp.TokenDataset(zpp.stdlib_corpus(1 << 20), seq_len=SEQ)
+data = zpp.data.TokenDataset(zpp.data.stdlib_corpus(1 << 20), seq_len=SEQ)
 for i in range(10):
     batch = jax.device_put(data.batch("train", i, 16, seed=0), zpp.batch_sharding(mesh))
     params, opt_state, loss = train_step(params, opt_state, batch)

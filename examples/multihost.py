@@ -16,7 +16,7 @@ rows of its own devices.
 
 import zpp_jax as zpp
 
-zpp.initialize()  # before anything touches a device
+zpp.distributed.initialize()  # before anything touches a device
 
 import jax  # noqa: E402
 import optax  # noqa: E402
@@ -28,9 +28,9 @@ mesh = zpp.node_mesh()
 cfg = GPTConfig.preset("tiny", dtype="float32")
 trainer = zpp.Trainer(GPT(cfg, nnx.Rngs(0)), optax.adamw(3e-3), mesh, zpp.ZeroPPConfig())
 state = trainer.init()
-data = zpp.TokenDataset(zpp.stdlib_corpus(1 << 20), cfg.seq_len)
+data = zpp.data.TokenDataset(zpp.data.stdlib_corpus(1 << 20), cfg.seq_len)
 for i in range(5):
-    batch = zpp.host_to_global(
+    batch = zpp.data.host_to_global(
         data.batch("train", i, 2 * mesh.size, seed=0), trainer.batch_sharding()
     )
     state, metrics = trainer.train_step(state, batch)

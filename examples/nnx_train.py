@@ -66,7 +66,7 @@ def train_step(model, optimizer, batch):
     return loss
 
 
-data = zpp.TokenDataset(zpp.stdlib_corpus(1 << 20), seq_len=SEQ)
+data = zpp.data.TokenDataset(zpp.data.stdlib_corpus(1 << 20), seq_len=SEQ)
 for i in range(10):
     batch = jax.device_put(data.batch("train", i, 16, seed=0), zpp.batch_sharding(mesh))
     print(f"step {i + 1}: loss {float(train_step(model, optimizer, batch)):.4f}")

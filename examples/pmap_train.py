@@ -20,8 +20,8 @@ from zpp_jax.models.blocks import block, init_stack  # noqa: E402
 n = jax.local_device_count()
 layers = 4
 stack = init_stack(jax.random.key(0), layers, 64, 256)
-layout = zpp.FlatLayout.from_tree(stack, n, stacked=True)
-layer = zpp.ShardedLayer(block, layout, zpp.ZeroPPConfig())
+layout = zpp.lowlevel.FlatLayout.from_tree(stack, n, stacked=True)
+layer = zpp.lowlevel.ShardedLayer(block, layout, zpp.ZeroPPConfig())
 
 # Per-device primary shards: device d holds chunk d of every layer's flat vector.
 shards = jax.vmap(layout.flatten)(stack).reshape(layers, n, -1).transpose(1, 0, 2)
@@ -32,14 +32,14 @@ opt_state = jax.vmap(opt.init)(shards)
 
 def device_step(shards, opt_state, x):
     def loss(shards):
-        return jnp.mean(jnp.square(zpp.scan_layers(layer, shards, x) - x[:, ::-1]))
+        return jnp.mean(jnp.square(zpp.lowlevel.scan_layers(layer, shards, x) - x[:, ::-1]))
 
     value, grads = jax.value_and_grad(loss)(shards)  # grads: this device's shard, averaged
     updates, opt_state = opt.update(grads, opt_state, shards)
-    return optax.apply_updates(shards, updates), opt_state, jax.lax.pmean(value, zpp.LOCAL)
+    return optax.apply_updates(shards, updates), opt_state, jax.lax.pmean(value, zpp.lowlevel.LOCAL)
 
 
-step = jax.pmap(device_step, axis_name=zpp.LOCAL)
+step = jax.pmap(device_step, axis_name=zpp.lowlevel.LOCAL)
 for i in range(10):
     shards, opt_state, loss = step(shards, opt_state, x)
     print(f"step {i + 1}: loss {float(loss[0]):.4f}")

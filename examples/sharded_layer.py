@@ -16,29 +16,29 @@ from zpp_jax.models.blocks import block, init_stack
 mesh = zpp.make_mesh(nodes=2, local=4)
 config = zpp.ZeroPPConfig()  # qwZ + hpZ + qgZ; ZeroPPConfig.zero3() for the baseline
 # align: quantization blocks never straddle two tensors
-shards, layout = zpp.shard_params(
+shards, layout = zpp.lowlevel.to_primary_shards(
     init_stack(jax.random.key(0), 4, 64, 256), mesh, stacked=True, align=config.alignment
 )
-layer = zpp.ShardedLayer(block, layout, config)
+layer = zpp.lowlevel.ShardedLayer(block, layout, config)
 
 x = jax.device_put(
-    jax.random.normal(jax.random.key(1), (16, 32, 64)), NamedSharding(mesh, P(zpp.AXES))
+    jax.random.normal(jax.random.key(1), (16, 32, 64)), NamedSharding(mesh, P(zpp.lowlevel.AXES))
 )
 
 
 def local_grads(shards, x):
     def loss(shards):
-        return jnp.mean(jnp.square(zpp.scan_layers(layer, shards, x) - x[:, ::-1]))
+        return jnp.mean(jnp.square(zpp.lowlevel.scan_layers(layer, shards, x) - x[:, ::-1]))
 
     value, grads = jax.value_and_grad(loss)(shards)  # grads: this device's shard, averaged
-    return jax.lax.pmean(value, zpp.AXES), grads
+    return jax.lax.pmean(value, zpp.lowlevel.AXES), grads
 
 
 grads_fn = jax.shard_map(
     local_grads,
     mesh=mesh,
-    in_specs=(zpp.shard_spec(stacked=True), P(zpp.AXES)),
-    out_specs=(P(), zpp.shard_spec(stacked=True)),
+    in_specs=(zpp.lowlevel.primary_spec(stacked=True), P(zpp.lowlevel.AXES)),
+    out_specs=(P(), zpp.lowlevel.primary_spec(stacked=True)),
     check_vma=False,
 )
 opt = optax.adamw(1e-3)
@@ -56,5 +56,7 @@ for i in range(10):
     shards, opt_state, loss = step(shards, opt_state)
     print(f"step {i}: loss {float(loss):.4f}")
 
-params = zpp.unshard_params(shards, layout, stacked=True)  # the full pytree, for export
+params = zpp.lowlevel.from_primary_shards(
+    shards, layout, stacked=True
+)  # the full pytree, for export
 print(jax.tree.map(jnp.shape, params))

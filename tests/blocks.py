@@ -6,8 +6,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zpp_jax import ShardedLayer, quant
+from zpp_jax import quant
 from zpp_jax.layer import stack_value_and_grad
+from zpp_jax.lowlevel import ShardedLayer
 from zpp_jax.models.blocks import block
 
 

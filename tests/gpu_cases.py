@@ -46,7 +46,7 @@ def model(name):
 def trainer(name, config, mesh, unroll=True):
     abstract = nnx.eval_shape(lambda: model(name))
     if config == "jit":
-        return zpp.JitFSDP(abstract, optax.adamw(1e-3), mesh, compute_dtype="bfloat16")
+        return zpp.baseline.JitFSDP(abstract, optax.adamw(1e-3), mesh, compute_dtype="bfloat16")
     config = CONFIGS[config].replace(unroll_layer_loops=unroll)
     return zpp.Trainer(abstract, optax.adamw(1e-3), mesh, config, compute_dtype="bfloat16")
 
@@ -59,13 +59,13 @@ def batch(name):
 
 @functools.cache
 def h200():
-    return zpp.target_mesh(2, 4)
+    return zpp.analysis.target_mesh(2, 4)
 
 
 @functools.cache
 def report(name, config, target="h200", unroll=True):
     mesh = h200() if target == "h200" else zpp.make_mesh(2, 4)
-    return zpp.step_report(trainer(name, config, mesh, unroll), batch(name))
+    return zpp.analysis.step_report(trainer(name, config, mesh, unroll), batch(name))
 
 
 def key(name, config, unroll) -> str:

@@ -6,8 +6,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from zpp_jax import JitFSDP, UsageError, fsdp_sharding, next_token_loss, step_report
+from zpp_jax import UsageError
+from zpp_jax.analysis import step_report
+from zpp_jax.baseline import JitFSDP, fsdp_sharding
 from zpp_jax.models import GPT, GPTConfig
+from zpp_jax.train import next_token_loss
 
 CFG = GPTConfig.preset("tiny", seq_len=16, dtype="float32")
 

@@ -6,8 +6,9 @@ from bounds import quant_steps, two_rounding_bound
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from zpp_jax import AXES, NODE, collectives, make_mesh, mesh_shape, quant
+from zpp_jax import collectives, make_mesh, quant
 from zpp_jax.analysis import collectives_in_hlo
+from zpp_jax.lowlevel import AXES, NODE, mesh_shape
 
 
 def _smap(mesh, f, in_specs, out_specs):

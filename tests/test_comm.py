@@ -7,7 +7,8 @@ import optax
 import pytest
 from flax import nnx
 
-from zpp_jax import Trainer, quant, step_report
+from zpp_jax import Trainer, quant
+from zpp_jax.analysis import step_report
 from zpp_jax.cli import main
 from zpp_jax.cli.comm import DEFAULT_CONFIGS
 from zpp_jax.mesh import shard_dim

@@ -8,8 +8,16 @@ import numpy as np
 import pytest
 
 import zpp_jax as zpp
-from zpp_jax import TokenDataset, load_text, stdlib_corpus
-from zpp_jax.data import BatchLoader, TokenFiles, local_rows, make_tokenizer, train_bpe
+from zpp_jax.data import (
+    BatchLoader,
+    TokenDataset,
+    TokenFiles,
+    load_text,
+    local_rows,
+    make_tokenizer,
+    stdlib_corpus,
+    train_bpe,
+)
 from zpp_jax.recipes import RunConfig, corpus, run
 
 

@@ -17,21 +17,18 @@ from bounds import two_rounding_bound
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zpp_jax import (
+from zpp_jax import UsageError, ZeroPPConfig, make_mesh, quant
+from zpp_jax.analysis import collectives_in_hlo
+from zpp_jax.lowlevel import (
     AXES,
     FlatLayout,
     ShardedLayer,
-    UsageError,
-    ZeroPPConfig,
-    make_mesh,
+    from_primary_shards,
     mesh_shape,
-    quant,
+    primary_spec,
     scan_layers,
-    shard_params,
-    shard_spec,
-    unshard_params,
+    to_primary_shards,
 )
-from zpp_jax.analysis import collectives_in_hlo
 from zpp_jax.models.blocks import block, init_stack
 
 D, F, LAYERS = 16, 40, 3  # F=40: the flat size is not a multiple of 8 or of the block
@@ -47,7 +44,7 @@ def _data(n_dev, dtype=jnp.float32):
 
 def _run(mesh, config, stack, x, align=1, residuals=None):
     """(loss, flat shard gradients (layers, N*s), new residuals, shards, layout)."""
-    shards, layout = shard_params(stack, mesh, stacked=True, align=align)
+    shards, layout = to_primary_shards(stack, mesh, stacked=True, align=align)
     f, layer = sharded_loss_and_grads(mesh, config, layout)
     if config.error_feedback and residuals is None:
         residuals = layer.init_residuals(mesh, LAYERS)
@@ -64,7 +61,7 @@ def test_zero3_equals_unsharded_reference(mesh):
     stack, x = _data(mesh.devices.size)
     ref_loss, ref_grads = reference_loss_and_grads(stack, x)
     loss, g, _, _, layout = _run(mesh, EXACT, stack, x)
-    grads = unshard_params(g, layout, stacked=True)
+    grads = from_primary_shards(g, layout, stacked=True)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     leaves = jax.tree_util.tree_leaves_with_path(grads)
     for (path, g), r in zip(leaves, jax.tree.leaves(ref_grads), strict=True):
@@ -102,7 +99,7 @@ def _compiled_step_hlo(mesh, config, layers=2):
     layout = FlatLayout.from_tree(stack, mesh.devices.size, stacked=True)
     f, _ = sharded_loss_and_grads(mesh, config, layout)
     shards = jax.ShapeDtypeStruct(
-        (layers, layout.padded_size), jnp.float32, sharding=NamedSharding(mesh, shard_spec(True))
+        (layers, layout.padded_size), jnp.float32, sharding=NamedSharding(mesh, primary_spec(True))
     )
     x = jax.ShapeDtypeStruct((8, 6, D), jnp.float32, sharding=NamedSharding(mesh, P(AXES)))
     return f.lower(shards, x, None).compile().as_text(), layout
@@ -113,7 +110,7 @@ def _forward_hlo(mesh, config, layout, layers=2):
     f = jax.shard_map(
         lambda s, x: jax.lax.pmean(loss_fn(scan_layers(layer, s, x)), AXES),
         mesh=mesh,
-        in_specs=(shard_spec(True), P(AXES)),
+        in_specs=(primary_spec(True), P(AXES)),
         out_specs=P(),
         check_vma=False,
     )
@@ -228,7 +225,7 @@ def _sharded_step_bytes(mesh, config, layers, d, f_dim, batch, tokens):
     layout = FlatLayout.from_tree(stack, 8, stacked=True)
     step, _ = sharded_loss_and_grads(mesh, config, layout)
     shards = jax.ShapeDtypeStruct(
-        (layers, layout.padded_size), jnp.float32, sharding=NamedSharding(mesh, shard_spec(True))
+        (layers, layout.padded_size), jnp.float32, sharding=NamedSharding(mesh, primary_spec(True))
     )
     x = jax.ShapeDtypeStruct((batch, tokens, d), jnp.float32, sharding=NamedSharding(mesh, P(AXES)))
     ma = step.lower(shards, x, None).compile().memory_analysis()
@@ -357,7 +354,7 @@ def test_every_path_and_dtype(mesh24, dtype, name):
     stack, x = _data(8, dtype)
     _, g, r, shards, layout = _run(mesh24, config, stack, x)
     _check_against_reference(mesh24, config, stack, x, g, shards, layout)
-    grads = unshard_params(g, layout, stacked=True)
+    grads = from_primary_shards(g, layout, stacked=True)
     for gl, p in zip(jax.tree.leaves(grads), jax.tree.leaves(stack), strict=True):
         assert gl.dtype == p.dtype and gl.shape == p.shape
     if config.error_feedback:  # the residual holds what the reduction rounded away
@@ -400,7 +397,7 @@ def test_error_feedback_through_the_layer(mesh24):
 
 def test_bad_calls_are_named(mesh24):
     stack, x = _data(8)
-    shards, layout = shard_params(stack, mesh24, stacked=True)
+    shards, layout = to_primary_shards(stack, mesh24, stacked=True)
     layer = ShardedLayer(block, layout, ZeroPPConfig())
     with pytest.raises(ValueError, match="shard has shape"):
         layer(jnp.zeros(3), x)
@@ -449,11 +446,11 @@ def test_prefetch_changes_the_order_not_the_math(mesh24):
     (the same int8 codes are gathered either way), the loss and gradients
     equal the tied order's to fp32 round-off. (Gradient quantization would
     turn a last-bit difference of fusion into a code step, so qgZ is off.)"""
-    from zpp_jax import stack_value_and_grad
+    from zpp_jax.lowlevel import stack_value_and_grad
 
     stack, x = _data(mesh24.devices.size)
     config = ZeroPPConfig(quantize_gradients=False)
-    shards, layout = shard_params(stack, mesh24, stacked=True, align=config.alignment)
+    shards, layout = to_primary_shards(stack, mesh24, stacked=True, align=config.alignment)
     outs = []
     for prefetch in (False, True):
         layer = ShardedLayer(block, layout, config, prefetch=prefetch)

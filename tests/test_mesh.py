@@ -1,7 +1,8 @@
 import jax
 import pytest
 
-from zpp_jax import make_mesh, mesh_shape
+from zpp_jax import make_mesh
+from zpp_jax.lowlevel import mesh_shape
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2), (1, 8), (8, 1)])

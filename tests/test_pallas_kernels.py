@@ -337,11 +337,12 @@ def test_engine_step_lowers_for_cuda(mesh24):
     lowers for CUDA with exactly the kernels the algorithm calls."""
     from jax.sharding import PartitionSpec as P
 
-    from zpp_jax import AXES, ShardedLayer, ZeroPPConfig, shard_params, shard_spec
+    from zpp_jax import ZeroPPConfig
+    from zpp_jax.lowlevel import AXES, ShardedLayer, primary_spec, to_primary_shards
     from zpp_jax.models.blocks import block, init_block
 
     params = init_block(jax.random.key(0), 16, 32)
-    shards, layout = shard_params(params, mesh24)
+    shards, layout = to_primary_shards(params, mesh24)
     layer = ShardedLayer(block, layout, ZeroPPConfig(error_feedback=True))
 
     def local(shard, x, residual):
@@ -353,8 +354,8 @@ def test_engine_step_lowers_for_cuda(mesh24):
     f = jax.shard_map(
         local,
         mesh=mesh24,
-        in_specs=(shard_spec(), P(AXES), shard_spec()),
-        out_specs=(shard_spec(), shard_spec()),
+        in_specs=(primary_spec(), P(AXES), primary_spec()),
+        out_specs=(primary_spec(), primary_spec()),
         check_vma=False,
     )
     residual = layer.init_residuals(mesh24)

@@ -3,7 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zpp_jax import FlatLayout, quant, shard_params, unshard_params
+from zpp_jax import quant
+from zpp_jax.lowlevel import FlatLayout, from_primary_shards, to_primary_shards
 
 
 def _tree():
@@ -17,13 +18,13 @@ def _tree():
 
 def test_roundtrip_keeps_values_and_dtypes(mesh):
     tree = _tree()
-    shards, layout = shard_params(tree, mesh)
+    shards, layout = to_primary_shards(tree, mesh)
     n = mesh.devices.size
     assert layout.size == 1 + 7 + 143 + 101
     assert layout.shard_size == -(-layout.size // n)
     assert shards.shape == (n * layout.shard_size,) and shards.dtype == jnp.float32
     assert {s.data.shape for s in shards.addressable_shards} == {(layout.shard_size,)}
-    back = unshard_params(shards, layout)
+    back = from_primary_shards(shards, layout)
     for k in tree:
         assert back[k].dtype == tree[k].dtype and back[k].shape == tree[k].shape
         np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]))
@@ -33,10 +34,10 @@ def test_roundtrip_keeps_values_and_dtypes(mesh):
 
 def test_stacked(mesh24):
     stack = {"a": jnp.arange(3 * 5, dtype=jnp.float32).reshape(3, 5), "b": jnp.ones((3, 2, 2))}
-    shards, layout = shard_params(stack, mesh24, stacked=True)
+    shards, layout = to_primary_shards(stack, mesh24, stacked=True)
     assert shards.shape == (3, 8 * layout.shard_size)
     assert layout.shapes == ((5,), (2, 2))
-    back = unshard_params(shards, layout, stacked=True)
+    back = from_primary_shards(shards, layout, stacked=True)
     np.testing.assert_array_equal(np.asarray(back["a"]), np.asarray(stack["a"]))
 
 
@@ -57,13 +58,13 @@ def test_empty():
 
 def test_alignment_keeps_blocks_inside_one_tensor(mesh24):
     tree = {"a": jnp.ones(5), "b": jnp.full((3, 7), 2.0), "c": jnp.full((300,), 3.0)}
-    shards, layout = shard_params(tree, mesh24, align=64)
+    shards, layout = to_primary_shards(tree, mesh24, align=64)
     assert layout.offsets == (0, 64, 128) and layout.size == 428
     assert layout.shard_size % 64 == 0 and layout.shard_size * 8 >= 428
     flat = np.asarray(shards)
     for block in flat.reshape(-1, 64):  # every block holds one tensor's values (or zeros)
         assert len(set(block[block != 0].tolist())) <= 1
-    back = unshard_params(shards, layout)
+    back = from_primary_shards(shards, layout)
     for k in tree:
         np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]))
     with pytest.raises(ValueError, match="align must be a positive int"):

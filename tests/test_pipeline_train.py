@@ -14,8 +14,9 @@ import pytest
 from flax import nnx
 from stopped_run import copy_stopped_after
 
-from zpp_jax import Checkpointer, UsageError, ZeroPPConfig, make_pipeline_mesh
+from zpp_jax import Checkpointer, UsageError, ZeroPPConfig
 from zpp_jax.analysis import collectives_in_hlo
+from zpp_jax.lowlevel import make_pipeline_mesh
 from zpp_jax.models.gpt import GPT, GPTConfig
 from zpp_jax.pipeline import PipelineTrainer, TokenPipeline
 from zpp_jax.recipes import RunConfig, run

@@ -7,8 +7,10 @@ import optax
 import pytest
 from flax import nnx
 
-from zpp_jax import JitFSDP, Trainer, UsageError, ZeroPPConfig, make_pipeline_mesh
+from zpp_jax import Trainer, UsageError, ZeroPPConfig
 from zpp_jax.analysis import collectives_in_hlo
+from zpp_jax.baseline import JitFSDP
+from zpp_jax.lowlevel import make_pipeline_mesh
 from zpp_jax.models import GPT, GPTConfig
 from zpp_jax.pipeline import PipelineTrainer
 from zpp_jax.program import TrainingProgram, clip_to_norm, finish_step

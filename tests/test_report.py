@@ -2,8 +2,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zpp_jax import AXES, LOCAL, NODE
 from zpp_jax.analysis import collectives_in_hlo, summarize
+from zpp_jax.lowlevel import AXES, LOCAL, NODE
 
 HLO = """\
 HloModule m

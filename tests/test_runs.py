@@ -492,7 +492,8 @@ def test_api_entry_points_name_the_bad_argument(tmp_path, mesh24):
     """From Python, a bad argument is a UsageError naming it."""
     from flax import nnx
 
-    from zpp_jax import Checkpointer, TokenDataset, ZeroPPConfig, shard
+    from zpp_jax import Checkpointer, ZeroPPConfig, shard
+    from zpp_jax.data import TokenDataset
 
     model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
     with pytest.raises(UsageError, match="config must be a zpp.ZeroPPConfig .* got dict"):

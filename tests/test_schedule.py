@@ -3,36 +3,39 @@ errors of compiling for a GPU without what it needs."""
 
 import pytest
 
-from zpp_jax import LinkModel, Trainer, UsageError, make_mesh, xla_flags
+from zpp_jax import LinkModel, Trainer, UsageError, make_mesh
 from zpp_jax.analysis.links import collective_costs
 from zpp_jax.analysis.target import TARGET_CONFIG_ENV, target_config
-from zpp_jax.overlap import platform, prefetches
+from zpp_jax.overlap import overlap_options, platform, prefetches
 
 
 def test_cpu_mesh_compiles_in_order_with_no_options():
     mesh = make_mesh(2, 4)
     assert platform(mesh) == "cpu" and not prefetches(mesh)
-    assert xla_flags(mesh) == {} and xla_flags("tpu") == {}
+    assert overlap_options(mesh) == {} and overlap_options("tpu") == {}
 
 
 def test_gpu_options_turn_on_the_latency_hiding_scheduler_and_pipeliners():
-    flags = xla_flags("gpu")
+    flags = overlap_options("gpu")
     assert flags["xla_gpu_enable_latency_hiding_scheduler"] is True
     assert flags["xla_gpu_enable_pipelined_all_gather"] is True
-    assert flags == xla_flags("cuda")
+    assert flags == overlap_options("cuda")
     flags["xla_gpu_enable_pipelined_all_gather"] = False  # a copy, not the engine's own
-    assert xla_flags("gpu")["xla_gpu_enable_pipelined_all_gather"] is True
+    assert overlap_options("gpu")["xla_gpu_enable_pipelined_all_gather"] is True
 
 
 def test_unrolled_units_let_collectives_of_different_kinds_overlap():
     limit = "xla_gpu_experimental_parallel_collective_overlap_limit"
-    assert limit not in xla_flags("gpu") and xla_flags("gpu", unrolled=True)[limit] == 3
-    assert xla_flags("cpu", unrolled=True) == {}
+    assert limit not in overlap_options("gpu") and overlap_options("gpu", unrolled=True)[limit] == 3
+    assert overlap_options("cpu", unrolled=True) == {}
 
 
 def test_unrolled_units_keep_their_permutes_apart():
     combine = "xla_gpu_collective_permute_combine_threshold_bytes"
-    assert combine not in xla_flags("gpu") and xla_flags("gpu", unrolled=True)[combine] == 0
+    assert (
+        combine not in overlap_options("gpu")
+        and overlap_options("gpu", unrolled=True)[combine] == 0
+    )
 
 
 def test_stacks_are_told_from_single_layers():

@@ -76,7 +76,7 @@ def lm_gradient_step(graphdef, tokens):
 
     @jax.jit
     def step(state):
-        loss = lambda m: zpp.cross_entropy(m(tokens), tokens)  # noqa: E731
+        loss = lambda m: zpp.train.cross_entropy(m(tokens), tokens)  # noqa: E731
         return zpp.value_and_grad(loss)(nnx.merge(graphdef, state))
 
     return step
@@ -290,11 +290,11 @@ def test_error_feedback_residuals_carry_over(mesh24):
     sees it."""
     family = FAMILIES["mlp_5_widths"]
     model = zpp.shard(family.make(0), mesh24, zpp.ZeroPPConfig(error_feedback=True))
-    residuals = nnx.state(model, zpp.FeedbackResidual)
+    residuals = nnx.state(model, zpp.lowlevel.FeedbackResidual)
     assert len(jax.tree.leaves(residuals)) == 5
     assert all(float(jnp.max(jnp.abs(r))) == 0 for r in jax.tree.leaves(residuals))
     losses, model = train(family, model, 3, mesh24)
-    after = jax.tree.leaves(nnx.state(model, zpp.FeedbackResidual))
+    after = jax.tree.leaves(nnx.state(model, zpp.lowlevel.FeedbackResidual))
     assert all(float(jnp.max(jnp.abs(r))) > 0 for r in after)
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
 
@@ -340,7 +340,7 @@ def test_a_layer_whose_sizes_agree_is_not_a_stack(mesh24):
 
     losses = [float(step(model, opt, x)) for _ in range(3)]
     assert losses[-1] < losses[0]
-    residuals = jax.tree.leaves(nnx.state(model.head, zpp.FeedbackResidual))
+    residuals = jax.tree.leaves(nnx.state(model.head, zpp.lowlevel.FeedbackResidual))
     assert len(residuals) == 1 and residuals[0].ndim == 1
 
 
@@ -483,7 +483,7 @@ def test_unshard_gives_a_plain_model(mesh24):
     assert (
         type(plain.blocks[0]) is zoo.EncoderLayer and type(model.blocks[0]) is not zoo.EncoderLayer
     )
-    assert not jax.tree.leaves(nnx.state(plain, zpp.FeedbackResidual))
+    assert not jax.tree.leaves(nnx.state(plain, zpp.lowlevel.FeedbackResidual))
     tokens = family.batch(0)["inputs"]
     np.testing.assert_allclose(plain(tokens), family.make(0)(tokens), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="made by zpp.shard"):

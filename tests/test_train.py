@@ -9,9 +9,10 @@ import pytest
 from flax import nnx
 from stopped_run import copy_stopped_after
 
-from zpp_jax import Trainer, UsageError, ZeroPPConfig, cross_entropy, make_mesh, unshard
+from zpp_jax import Trainer, UsageError, ZeroPPConfig, make_mesh, unshard
 from zpp_jax.models import GPT, GPTConfig
 from zpp_jax.recipes import RunConfig, run
+from zpp_jax.train import cross_entropy
 
 CFG = GPTConfig.preset("tiny", dtype="float32", seq_len=16, n_layers=2)
 EXACT = ZeroPPConfig.zero3(comm_dtype=None)  # fp32 wire: an unsharded model's numbers
@@ -168,7 +169,7 @@ def test_zeropp_learns_context():
     below the byte-unigram entropy of the validation text, which no model
     that ignores the preceding bytes can reach (cross-entropy >= entropy).
     (ZeRO-3 learning, and ZeRO++'s gap to it, are tests/test_shard_convergence.py's.)"""
-    from zpp_jax import TokenDataset, stdlib_corpus
+    from zpp_jax.data import TokenDataset, stdlib_corpus
 
     val = TokenDataset(stdlib_corpus(), CFG.seq_len).splits["val"]
     p = np.bincount(val, minlength=256) / len(val)

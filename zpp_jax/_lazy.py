@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import sys
 import types
+import warnings
 from collections.abc import Callable
 
 
@@ -27,19 +28,34 @@ class _Package(types.ModuleType):
 
 
 def lazy_exports(
-    package: str, exports: dict[str, str], submodules: tuple[str, ...] = ()
+    package: str,
+    exports: dict[str, str],
+    submodules: tuple[str, ...] = (),
+    moved: dict[str, str] | None = None,
 ) -> tuple[Callable[[str], object], Callable[[], list[str]], list[str]]:
     """``__getattr__``, ``__dir__`` and ``__all__`` for `package`: `exports`
     maps a public name to the module that defines it; `submodules` are
-    returned as modules."""
+    returned as modules (attributes, not part of ``__all__``). `moved` maps
+    a former public name to where it lives now (``"module.name"``): it
+    still resolves, with a DeprecationWarning that says where to import it
+    from."""
+    moved = moved or {}
     module = sys.modules[package]
     module.__class__ = _Package
     module._exports = exports
-    public = sorted([*submodules, *exports])
+    public = sorted(exports)
 
     def __getattr__(name: str):
         if name in submodules:
             return importlib.import_module(f"{package}.{name}")
+        if name in moved:
+            where, new = moved[name].rsplit(".", 1)
+            warnings.warn(
+                f"{package}.{name} is deprecated and will be removed: use {where}.{new}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(importlib.import_module(where), new)
         if name not in exports:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(exports[name]), name)
@@ -47,6 +63,6 @@ def lazy_exports(
         return value
 
     def __dir__() -> list[str]:
-        return sorted({*module.__dict__, *public} - {"_exports"})
+        return sorted({*module.__dict__, *public, *submodules} - {"_exports"})
 
     return __getattr__, __dir__, public

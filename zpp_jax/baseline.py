@@ -7,7 +7,7 @@ every parameter and optimizer-state array is sharded over all devices of the
 replicated), the batch along its leading axis, and XLA's SPMD partitioner
 inserts the collectives (all-gathers of the weights, reduce-scatters of the
 gradients) and, on a GPU, schedules them with the same options the engine
-uses (`zpp_jax.xla_flags`: latency-hiding scheduler, pipelined gathers and
+uses (`zpp_jax.overlap.overlap_options`: latency-hiding scheduler, pipelined gathers and
 reductions in layer loops). It has the interface `step_report` reads, so
 `zpp comm` compares it with the engine's methods side by side.
 """
@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, batch_sharding, mesh_shape
-from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links, xla_flags
+from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links, overlap_options
 from zpp_jax.program import compile_for_batch
 from zpp_jax.train import LossFn, next_token_loss
 
@@ -102,7 +102,7 @@ class JitFSDP:
         if not self.abstract:
             self._values = (params, rest)
         self._optimizer, self._loss_fn = optimizer, loss_fn
-        self.compiler_options = xla_flags(mesh)
+        self.compiler_options = overlap_options(mesh)
         self.train_step = jax.jit(
             self._train_step,
             in_shardings=(self._shardings, batch_sharding(mesh)),

@@ -28,7 +28,7 @@ from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, LOCAL, NODE, mesh_shape
 from zpp_jax.overlap import relay
-from zpp_jax.partition import Layout, shard_spec
+from zpp_jax.partition import Layout, primary_spec
 from zpp_jax.wire import WeightWire
 
 PyTree = Any
@@ -75,7 +75,7 @@ class ShardedLayer:
         than about two layers' full weights. True: the forward gather depends
         on the shard alone and the re-gather on the shard and the saved
         activations, so a latency-hiding scheduler (XLA:GPU, see
-        `zpp_jax.xla_flags`) can start a layer's gather behind the previous
+        `zpp_jax.overlap.overlap_options`) can start a layer's gather behind the previous
         layer's compute, in either pass; it bounds the weights in flight by
         its memory limit instead. Layers called through `relayed` are
         ordered against their neighbours instead (see there). The math is
@@ -111,8 +111,8 @@ class ShardedLayer:
     def __call__(self, shard: jax.Array, x: Any, residual: jax.Array | None = None) -> Any:
         if shard.shape != (self.layout.shard_size,):
             raise UsageError(
-                f"shard has shape {shard.shape}, expected ({self.layout.shard_size},): call "
-                "the layer inside jax.shard_map with the shard spec of zpp_jax.shard_spec()"
+                f"shard has shape {shard.shape}, expected ({self.layout.shard_size},): call the "
+                "layer inside jax.shard_map with the spec of zpp_jax.lowlevel.primary_spec()"
             )
         if self.config.error_feedback and residual is None:
             raise UsageError("config.error_feedback is on: pass the layer's residual")
@@ -207,7 +207,7 @@ class ShardedLayer:
         nodes, local = mesh_shape(mesh)
         size = nodes * local * self.residual_size(nodes, local)
         shape = (size,) if layers is None else (layers, size)
-        sharding = NamedSharding(mesh, shard_spec(stacked=layers is not None))
+        sharding = NamedSharding(mesh, primary_spec(stacked=layers is not None))
         return jnp.zeros(shape, self.config.residual_dtype, device=sharding)
 
     # -- the pieces the custom_vjp is built from -------------------------------
@@ -441,7 +441,7 @@ def stack_value_and_grad(
     `x` and `rest` are split over all devices along axis 0;
     ``loss_fn(stack_output, x, *rest)`` is a device's local loss, and `loss`
     its mean over devices. `shards` (and `residuals`, with error feedback, else
-    None) are laid out as `shard_spec(stacked=True)`.
+    None) are laid out as `primary_spec(stacked=True)`.
     """
 
     def local(shards, residuals, x, *rest):
@@ -451,7 +451,7 @@ def stack_value_and_grad(
         value, (g, r) = jax.value_and_grad(loss, argnums=(0, 1))(shards, residuals)
         return lax.pmean(value, AXES), g, r
 
-    spec = shard_spec(stacked=True)
+    spec = primary_spec(stacked=True)
     res_spec = spec if layer.config.error_feedback else None
 
     def f(shards, residuals, x, *rest):

@@ -457,12 +457,12 @@ def quant_float_dtypes():
     return [jnp.dtype(d) for d in quant.FLOAT_DTYPES]
 
 
-def shard_spec(stacked: bool = False) -> P:
+def primary_spec(stacked: bool = False) -> P:
     """PartitionSpec of a primary-shard array: its flat axis over (`node`, `local`)."""
     return P(None, AXES) if stacked else P(AXES)
 
 
-def shard_params(
+def to_primary_shards(
     tree: PyTree, mesh: Mesh, stacked: bool = False, align: int = 1
 ) -> tuple[jax.Array, FlatLayout]:
     """Flatten, pad and shard a pytree onto `mesh`.
@@ -475,11 +475,11 @@ def shard_params(
     nodes, local = mesh_shape(mesh)
     layout = FlatLayout.from_tree(tree, nodes * local, stacked=stacked, align=align)
     flatten = jax.vmap(layout.flatten) if stacked else layout.flatten
-    out = NamedSharding(mesh, shard_spec(stacked))
+    out = NamedSharding(mesh, primary_spec(stacked))
     return jax.jit(flatten, out_shardings=out)(tree), layout
 
 
-def unshard_params(shards: jax.Array, layout: FlatLayout, stacked: bool = False) -> PyTree:
+def from_primary_shards(shards: jax.Array, layout: FlatLayout, stacked: bool = False) -> PyTree:
     """The original pytree (original dtypes) from primary shards, for export
     and inspection. Gathers the whole model onto every device."""
     unflatten = jax.vmap(layout.unflatten) if stacked else layout.unflatten

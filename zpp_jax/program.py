@@ -2,7 +2,7 @@
 
 `TrainingProgram` is what `zpp_jax.Trainer` (ZeRO++), the token pipeline's
 `zpp_jax.pipeline.PipelineTrainer` and the plain-jit baseline
-`zpp_jax.JitFSDP` all offer, so that a loop, a checkpointer or a report
+`zpp_jax.baseline.JitFSDP` all offer, so that a loop, a checkpointer or a report
 takes any of them: the state at step 0 and its abstract shape, the batch
 sharding, the compiled train and eval steps, a compile without running,
 and the steps done.

@@ -260,7 +260,7 @@ def shard(
         base: ``zpp_jax.lora.FROZEN``), kept as codes (`zpp_jax.frozen`).
 
     With ``config.error_feedback`` each unit also holds a `FeedbackResidual`;
-    take gradients with `zpp.value_and_grad` (or `zpp.grad`) so that it is
+    take gradients with `zpp.value_and_grad` (or `zpp.sharded.grad`) so that it is
     carried from step to step.
 
     A model built abstractly (``nnx.eval_shape(lambda: MyModel(...))``) is

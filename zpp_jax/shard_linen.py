@@ -52,7 +52,7 @@ _LAYER_NAME = re.compile(r"^(.*)_(\d+)$")
 
 
 def default_linen_units(params: dict) -> list[tuple[str, ...]]:
-    """Units chosen from the parameter tree, as `zpp.default_units` does for
+    """Units chosen from the parameter tree, as `zpp.lowlevel.default_units` does for
     NNX. A list of layers is two or more children named ``<name>_<i>`` with
     one prefix, each holding submodules of its own (as a Python list of
     blocks is named; ``Dense_0``, ``Dense_1`` of one block are not layers).

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from zpp_jax.errors import UsageError
 from zpp_jax.frozen import FrozenParam, FrozenWeights, decode_frozen, set_variable
-from zpp_jax.overlap import prefetches, xla_flags
+from zpp_jax.overlap import overlap_options, prefetches
 from zpp_jax.overlap.loops import unroll_relayed_loops
 from zpp_jax.overlap.relay import relay_scope
 from zpp_jax.shard import FeedbackResidual
@@ -29,10 +29,12 @@ def has_stacked_units(model: nnx.Module) -> bool:
 
 def compiler_options(model: nnx.Module, mesh: Mesh) -> dict:
     """The XLA options a step of this sharded model compiles with on `mesh`
-    (`zpp_jax.overlap.xla_flags`): for relayed units (no layer loop, or
+    (`zpp_jax.overlap.overlap_options`): for relayed units (no layer loop, or
     its loops unrolled), those that let their collectives of different
     kinds be in flight together."""
-    return xla_flags(mesh, unrolled=not has_stacked_units(model) or unrolls_layer_loops(model))
+    return overlap_options(
+        mesh, unrolled=not has_stacked_units(model) or unrolls_layer_loops(model)
+    )
 
 
 def unrolls_layer_loops(model: nnx.Module) -> bool:
@@ -105,13 +107,16 @@ def _with_feedback(argnums):
     return tuple(nnx.DiffState(a, wrt) for a in argnums), tuple(argnums)
 
 
-def value_and_grad(f: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
-    """`nnx.value_and_grad` with respect to the parameters (`nnx.Param`) of
-    the modules at `argnums`, for `shard`ed models with or without error
-    feedback: each unit's new `FeedbackResidual` is written into its module,
-    and the gradients returned hold the parameters only (what
+def value_and_grad(
+    f: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> Callable:
+    """`nnx.value_and_grad`'s contract (and so JAX's: the value of `f` and
+    its gradient with respect to the parameters, `nnx.Param`, of the modules
+    at `argnums`) plus one thing: with error feedback, each unit's new
+    `FeedbackResidual` is carried into its module for the next step. The
+    gradients returned hold the parameters only (what
     `nnx.Optimizer.update` takes). Without error feedback it is
-    ``nnx.value_and_grad(f, argnums=argnums)``."""
+    ``nnx.value_and_grad(f, argnums=argnums)``; nothing else differs."""
     diff, positions = _with_feedback(argnums)
     inner = nnx.value_and_grad(f, argnums=diff, has_aux=has_aux)
     unrolled = nnx.value_and_grad(unroll_relayed_loops(f), argnums=diff, has_aux=has_aux)

@@ -173,7 +173,7 @@ class Trainer:
         dtypes (arrays or `jax.ShapeDtypeStruct`s), laid out as
         `batch_sharding`: a `jax.stages.Compiled`, whose ``as_text()`` is the
         optimized, scheduled program and ``memory_analysis()`` its memory.
-        `compiler_options` replace the engine's own (`zpp.xla_flags`) for
+        `compiler_options` replace the engine's own (`zpp.overlap.overlap_options`) for
         this compile. On a GPU mesh the scheduler is given what each
         collective costs on `links` (`zpp.LinkModel`; None: XLA's own
         estimate), which takes a second compile; `train_step` called

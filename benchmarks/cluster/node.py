@@ -92,7 +92,7 @@ def _jit_step(model_cfg, mesh, seed):
     import optax
     from flax import nnx
 
-    from zpp_jax import JitFSDP
+    from zpp_jax.baseline import JitFSDP
     from zpp_jax.models import GPT
 
     model = GPT(model_cfg, nnx.Rngs(seed))

@@ -202,7 +202,7 @@ def plain_jit():
     @jax.jit
     def step(state, batch):
         model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(zpp.next_token_loss)(model, batch)
+        loss, grads = nnx.value_and_grad(zpp.train.next_token_loss)(model, batch)
         optimizer.update(model, grads)
         return nnx.state((model, optimizer)), {"loss": loss}
 

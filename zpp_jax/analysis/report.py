@@ -39,7 +39,7 @@ def step_report(trainer, batch: dict) -> dict:
     "estimate_withheld", for a program with a loop: the scheduler's
     statistics count a loop's body once, not once per iteration. The
     trainer may be abstract (built on an ``nnx.eval_shape`` model, for a
-    compile-only mesh); any `zpp_jax.program.TrainingProgram` will do (`zpp_jax.JitFSDP`,
+    compile-only mesh); any `zpp_jax.program.TrainingProgram` will do (`zpp_jax.baseline.JitFSDP`,
     `zpp_jax.pipeline.PipelineTrainer`)."""
     estimate = None
     if schedules_overlap(trainer.mesh):

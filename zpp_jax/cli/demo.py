@@ -14,7 +14,7 @@ from zpp_jax.errors import UsageError
 from zpp_jax.layer import ShardedLayer, stack_value_and_grad
 from zpp_jax.mesh import AXES, make_mesh, mesh_shape
 from zpp_jax.models.blocks import block, init_stack
-from zpp_jax.partition import shard_params
+from zpp_jax.partition import to_primary_shards
 
 
 def run_demo(
@@ -35,7 +35,7 @@ def run_demo(
     if batch % n:
         raise UsageError(f"--batch {batch} must be a multiple of the {n} devices")
     kp, kx, ky = jax.random.split(jax.random.key(seed), 3)
-    shards, layout = shard_params(
+    shards, layout = to_primary_shards(
         init_stack(kp, layers, d_model, d_ff), mesh, stacked=True, align=config.alignment
     )
     data = NamedSharding(mesh, P(AXES))

@@ -1,7 +1,7 @@
 """What runs behind what: everything that orders the engine's communication
 against its compute, and nothing of the math.
 
-* `options`: the XLA options per platform (`xla_flags`), whether units
+* `options`: the XLA options per platform (`overlap_options`), whether units
   prefetch their gathers, and the `LinkModel` of a cluster's links.
 * `relay`: the relay token that orders consecutive units' collectives
   against each other's compute, its ties, and the chain of the current
@@ -16,10 +16,10 @@ from zpp_jax.overlap.options import (
     DEFAULT_LINKS,
     LinkModel,
     check_links,
+    overlap_options,
     platform,
     prefetches,
     schedules_overlap,
-    xla_flags,
 )
 from zpp_jax.overlap.relay import relay_scope
 
@@ -31,5 +31,5 @@ __all__ = [
     "prefetches",
     "relay_scope",
     "schedules_overlap",
-    "xla_flags",
+    "overlap_options",
 ]

@@ -76,7 +76,7 @@ _UNROLLED_GPU_OPTIONS = {
 }
 
 
-def xla_flags(mesh_or_platform: Mesh | str, unrolled: bool = False) -> dict:
+def overlap_options(mesh_or_platform: Mesh | str, unrolled: bool = False) -> dict:
     """The XLA options the engine compiles its steps with on this platform
     (a mesh or a platform name): ``jax.jit(..., compiler_options=...)``.
     Empty on CPU and TPU.
