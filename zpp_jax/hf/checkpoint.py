@@ -282,6 +282,8 @@ def save(
     directory = pathlib.Path(path)
     if directory.exists() and any(directory.iterdir()) and not overwrite:
         raise UsageError(f"{directory} is not empty: save into a new directory, or overwrite=True")
+    if jax.process_count() > 1:  # every process has checked before process 0 writes
+        multihost_utils.sync_global_devices(f"zpp-hf-save {directory}")
     tensors = _Tensors(model, dtype)
     groups = plan_shards(tensors.sizes, max_shard_bytes)
     files = [directory / name for name in shard_file_names(len(groups))]
