@@ -13,7 +13,7 @@ from zpp_jax.cli import main
 from zpp_jax.cli.comm import DEFAULT_CONFIGS
 from zpp_jax.mesh import shard_dim
 from zpp_jax.models import GPT, GPTConfig
-from zpp_jax.unit import call_layout
+from zpp_jax.partition import call_layout
 
 CFG = GPTConfig.preset("tiny", seq_len=16)
 SCALARS = 256  # loss mean and gradient-norm all-reduces of a few fp32 scalars

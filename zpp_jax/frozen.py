@@ -42,8 +42,9 @@ from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
-from zpp_jax.mesh import AXES, place, shard_dim
-from zpp_jax.partition import ParamLayout
+from zpp_jax.mesh import AXES, place, shard_dim, spec_along
+from zpp_jax.partition import ParamLayout, call_layout
+from zpp_jax.paths import set_at
 from zpp_jax.wire import WeightWire
 
 # What a user meets (the variable types in a sharded model's state); the
@@ -90,14 +91,9 @@ def frozen_config(config: ZeroPPConfig, dtypes=()) -> ZeroPPConfig:
 
 
 def frozen_layout(config: ZeroPPConfig, specs: tuple[FrozenSpec, ...], n: int) -> ParamLayout:
-    """The per-device layout of a unit's split frozen parameters."""
-    return ParamLayout.from_tree(
-        [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in specs],
-        [s.dim for s in specs],
-        n,
-        1,
-        config.block_size if config.frozen_bits is not None else None,
-    )
+    """The per-device layout of a unit's split frozen parameters: a call's
+    layout (`call_layout`) under the configuration they travel by."""
+    return call_layout(frozen_config(config), [(s.shape, s.dtype, s.dim) for s in specs], n)
 
 
 def frozen_wire(config: ZeroPPConfig, layout: ParamLayout, compute_dtype=None) -> WeightWire:
@@ -118,7 +114,7 @@ def encode_frozen(
     def local(*blocks):
         return wire.encode(layout.pack(layout.treedef.unflatten(list(blocks))))
 
-    in_specs = tuple(P(*[AXES if i == s.dim else None for i in range(len(s.shape))]) for s in specs)
+    in_specs = tuple(spec_along(len(s.shape), s.dim) for s in specs)
     encode = jax.jit(
         jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(AXES), check_vma=False)
     )
@@ -162,12 +158,12 @@ def freeze_unit(
         value = var.get_value()
         dim = shard_dim(np.shape(value), n, False, keep_below=config.persistence_threshold)
         if dim is None:
-            set_variable(module, path, FrozenParam(place(value, mesh, None)))
+            set_at(module, path, FrozenParam(place(value, mesh, None)))
             continue
         dtype = jnp.dtype(value.dtype)
         specs.append(FrozenSpec(tuple(path), tuple(np.shape(value)), dtype, dim))
         values.append(place(value, mesh, dim))
-        set_variable(module, path, FrozenParam(None, shape=tuple(np.shape(value)), dtype=dtype))
+        set_at(module, path, FrozenParam(None, shape=tuple(np.shape(value)), dtype=dtype))
     if specs:
         module._zpp_frozen = FrozenWeights(encode_frozen(config, tuple(specs), values, mesh))
     return tuple(specs)
@@ -183,14 +179,3 @@ def call_operands(items) -> tuple:
         if isinstance(v, FrozenParam) and v.get_value() is not None
     ]
     return (stored[0] if stored else None), whole
-
-
-def set_variable(module: nnx.Module, path: tuple, variable: nnx.Variable) -> None:
-    """Put `variable` at `path` (relative to `module`) in place of what is there."""
-    node = module
-    for key in path[:-1]:
-        node = getattr(node, key) if isinstance(key, str) and hasattr(node, key) else node[key]
-    if isinstance(path[-1], str) and hasattr(node, path[-1]):
-        setattr(node, path[-1], variable)
-    else:
-        node[path[-1]] = variable

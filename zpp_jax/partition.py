@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax import quant
+from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, mesh_shape
 
@@ -451,6 +452,18 @@ class Layout(Protocol):
     ) -> quant.QuantizedBlocks:
         """The blocks of ``flatten_rows(tree)`` quantized, bit for bit, tensor
         by tensor (needs ``align % block == 0``)."""
+
+
+def call_layout(config: ZeroPPConfig, params: list[tuple], n: int) -> ParamLayout:
+    """The per-device layout of one call's split parameters, given as
+    (shape, dtype, split dimension)."""
+    return ParamLayout.from_tree(
+        [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in params],
+        [dim for _, _, dim in params],
+        n,
+        config.grad_block if config.quantize_gradients else 1,
+        config.block_size if config.quantize_weights else None,
+    )
 
 
 def quant_float_dtypes():

@@ -46,10 +46,11 @@ from jax.sharding import Mesh
 
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
-from zpp_jax.frozen import FrozenParam, FrozenWeights, call_operands, freeze_unit, set_variable
+from zpp_jax.frozen import FrozenParam, FrozenWeights, call_operands, freeze_unit
 from zpp_jax.mesh import AXES, mesh_shape, on_mesh, place, shard_dim
 from zpp_jax.outputs import Outputs, append_sown, check_outputs
 from zpp_jax.partition import quant_float_dtypes
+from zpp_jax.paths import is_container, node_at, set_at
 from zpp_jax.unit import (
     UnitInfo,
     check_block_sizes,
@@ -81,24 +82,9 @@ def _children(module: nnx.Module) -> list[tuple[Path, nnx.Module]]:
         if path and isinstance(node, nnx.Module) and not isinstance(node, nnx.List | nnx.Dict):
             # a direct child: no module between it and `module` but containers
             parents = [path[:i] for i in range(1, len(path))]
-            if all(_is_container(_get(module, p)) for p in parents):
+            if all(is_container(node_at(module, p)) for p in parents):
                 out.append((path, node))
     return out
-
-
-def _is_container(node) -> bool:
-    return isinstance(node, nnx.List | nnx.Dict | list | tuple | dict)
-
-
-def _get(module, path):
-    node = module
-    for key in path:
-        node = (
-            node[key]
-            if isinstance(node, nnx.List | nnx.Dict | list | tuple | dict)
-            else (getattr(node, key))
-        )
-    return node
 
 
 def _has_params(module: nnx.Module) -> bool:
@@ -108,7 +94,7 @@ def _has_params(module: nnx.Module) -> bool:
 def _has_layers(module: nnx.Module) -> bool:
     """A list or dict of modules, or a stacked module, somewhere inside."""
     for path, node in nnx.iter_modules(module):
-        if path and (_is_container(_get(module, path[:-1])) or _looks_stacked(node)):
+        if path and (is_container(node_at(module, path[:-1])) or _looks_stacked(node)):
             return True
     return False
 
@@ -181,7 +167,7 @@ def _select(model: nnx.Module, policy: Policy) -> list[Path]:
     if policy is None:
         units = default_units(model)
     else:
-        modules = [(p, m) for p, m in nnx.iter_modules(model) if not _is_container(m)]
+        modules = [(p, m) for p, m in nnx.iter_modules(model) if not is_container(m)]
         if callable(policy) and not isinstance(policy, type):
             units = [p for p, m in modules if policy(p, m)]
         elif all(isinstance(x, type) for x in policy):
@@ -193,7 +179,7 @@ def _select(model: nnx.Module, policy: Policy) -> list[Path]:
             if missing:
                 raise UsageError(f"the policy names modules the model does not have: {missing}")
             units = wanted
-    units = [p for p in units if _has_params(_get(model, p))]
+    units = [p for p in units if _has_params(node_at(model, p))]
     check_units(
         units,
         "give zpp.shard a policy that names submodules (a function (path, module) -> bool, "
@@ -289,7 +275,9 @@ def shard(
     n = _check_model(model, mesh, config)
     units, frozen = _select(model, policy), freeze and nnx.filterlib.to_predicate(freeze)
     for path in units:
-        _make_unit(_get(model, path), mesh, config, compute_dtype, n, _name(path), outputs, frozen)
+        _make_unit(
+            node_at(model, path), mesh, config, compute_dtype, n, _name(path), outputs, frozen
+        )
     _place_outside_units(model, mesh, config, set(units), frozen)
     # Everything else (random-stream keys and counts, batch statistics) whole
     # on every device: a jitted step then takes it with the sharding it
@@ -339,7 +327,7 @@ def _place_outside_units(model, mesh, config: ZeroPPConfig, unit_paths: set, fro
         dim = shard_dim(np.shape(value), n, stacked=False, keep_below=config.persistence_threshold)
         var.set_value(place(value, mesh, dim))
         if frozen and frozen(path, var):
-            set_variable(model, path, FrozenParam(var.get_value()))
+            set_at(model, path, FrozenParam(var.get_value()))
 
 
 def _make_unit(module, mesh, config, compute_dtype, n, name, outputs, frozen=None):
@@ -478,8 +466,8 @@ def _merge_sown(module: nnx.Module, info: UnitInfo, path, var_type: type, key, v
     `module`, as sow's default reduction would: tuples appended. `key`: the
     entry of an `nnx.capture` record (a dict) at `path`, None for a sown
     attribute."""
-    owner = _get(module, path[:-1])
-    var = owner[path[-1]] if _is_container(owner) else getattr(owner, path[-1], None)
+    owner = node_at(module, path[:-1])
+    var = owner[path[-1]] if is_container(owner) else getattr(owner, path[-1], None)
     if var is None:
         setattr(owner, path[-1], var_type(value))
     elif key is None:

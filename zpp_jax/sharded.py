@@ -13,10 +13,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.errors import UsageError
-from zpp_jax.frozen import FrozenParam, FrozenWeights, decode_frozen, set_variable
+from zpp_jax.frozen import FrozenParam, FrozenWeights, decode_frozen
 from zpp_jax.overlap import overlap_options, prefetches
 from zpp_jax.overlap.loops import unroll_relayed_loops
 from zpp_jax.overlap.relay import relay_scope
+from zpp_jax.paths import set_at
 from zpp_jax.shard import FeedbackResidual
 from zpp_jax.unit import UnitInfo, unit_infos
 
@@ -72,7 +73,7 @@ def unshard(model: nnx.Module) -> nnx.Module:
     if mesh is None:
         raise UsageError("zpp.unshard takes a model made by zpp.shard")
     for path, value in frozen.items():  # frozen weights as what the model computed with
-        set_variable(plain, path, nnx.Param(value))
+        set_at(plain, path, nnx.Param(value))
     replicated = NamedSharding(mesh, P())
     for _, var in nnx.to_flat_state(nnx.state(plain, nnx.Param)):
         var.set_value(jax.device_put(var.get_value(), replicated))

@@ -36,7 +36,7 @@ from zpp_jax.mesh import AXES, mesh_shape, place, spec_along
 from zpp_jax.outputs import combine_outputs
 from zpp_jax.overlap import prefetches
 from zpp_jax.overlap.relay import current_chains
-from zpp_jax.partition import ParamLayout
+from zpp_jax.partition import ParamLayout, call_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,18 +123,6 @@ def check_block_sizes(config: ZeroPPConfig, sizes: Sequence[int]) -> None:
 
 def _name(path: tuple) -> str:
     return "/".join(str(k) for k in path) or "<the model>"
-
-
-def call_layout(config: ZeroPPConfig, params: Sequence[tuple], n: int) -> ParamLayout:
-    """The per-device layout of one call's split parameters, given as
-    (shape, dtype, split dimension)."""
-    return ParamLayout.from_tree(
-        [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in params],
-        [dim for _, _, dim in params],
-        n,
-        config.grad_block if config.quantize_gradients else 1,
-        config.block_size if config.quantize_weights else None,
-    )
 
 
 def residual_size(config: ZeroPPConfig, params: Sequence[tuple], mesh_sizes) -> int:
@@ -338,8 +326,7 @@ class _Call:
             )
             shard = None if layout is None else layout.pack(layout.treedef.unflatten(blocks))
             if frozen is not None:
-                out = layer.with_frozen(shard, stored, inputs, residual, token)
-                return out if token is not None else (out, None)
+                return layer.with_frozen(shard, stored, inputs, residual, token)
             if token is None:
                 return layer(shard, inputs, residual), None
             return layer.relayed(shard, inputs, residual, token)
