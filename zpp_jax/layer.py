@@ -137,9 +137,9 @@ class ShardedLayer:
         for the computation and never kept across the step; they get no
         gradient and no reduction. `shard` (None when the layer has no
         trainable parameters to split) is gathered and reduced as in
-        `__call__`. Returns the output, and the token with one."""
-        out, token = self._apply((shard, frozen), residual, x, token)
-        return out if token is None else (out, token)
+        `__call__`. Returns (the output, the token handed on: None without
+        one), as `relayed` does."""
+        return self._apply((shard, frozen), residual, x, token)
 
     def relayed(
         self, shard: jax.Array, x: Any, residual: jax.Array | None, token: jax.Array
