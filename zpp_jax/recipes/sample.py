@@ -15,7 +15,6 @@ and a cache of 2 x layers x seq_len x kv_width per sequence.
 from __future__ import annotations
 
 import functools
-import json
 import pathlib
 
 import jax
@@ -107,6 +106,7 @@ def sample_run(
     encoded and decoded with the run's tokenizer (its tokenizer.json, or
     bytes), stopping at its end-of-sequence id (from its config.json)."""
     from zpp_jax.data.tokenizer import ByteTokenizer, load_tokenizer
+    from zpp_jax.hf.config import read_config
     from zpp_jax.recipes.export import restore_run_model
     from zpp_jax.recipes.runs import CONFIG_FILE
     from zpp_jax.sharded import unshard
@@ -116,8 +116,7 @@ def sample_run(
     tokenizer = load_tokenizer(file) if file.is_file() else ByteTokenizer()
     eos = None
     if (directory / CONFIG_FILE).is_file():
-        eos = json.loads((directory / CONFIG_FILE).read_text()).get("eos_token_id")
-        eos = eos[0] if isinstance(eos, list) and eos else eos
+        eos = read_config(directory).eos_token_id
     ids = tokenizer.encode_text(prompt, special=True)
     model, _, _ = restore_run_model(directory, step)
     out = generate(unshard(model), ids, max_tokens, temperature=temperature, seed=seed, eos_id=eos)

@@ -58,9 +58,8 @@ def model_config(cfg: RunConfig) -> GPTConfig | LlamaConfig:
 
         checkpoint = read_config(cfg.init)
         seq_len = cfg.seq_len
-        if seq_len is None:
-            window = checkpoint.sliding_window or checkpoint.max_positions
-            seq_len = min(checkpoint.max_positions, window, INIT_SEQ)
+        if seq_len is None:  # the checkpoint's default length, capped
+            seq_len = min(llama_config(checkpoint).seq_len, INIT_SEQ)
         return llama_config(checkpoint, seq_len, cfg.compute_dtype)
     config_class = GPTConfig if cfg.arch == "gpt" else LlamaConfig
     model_cfg = config_class.preset(cfg.model, dtype=cfg.compute_dtype)
