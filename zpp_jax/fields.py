@@ -59,14 +59,16 @@ def flag_name(field: dataclasses.Field) -> str:
     return (flag and flag.name) or "--" + field.name.replace("_", "-")
 
 
-def add_flags(parser: argparse.ArgumentParser, defaults: Any, skip: tuple = ()) -> dict:
+def add_flags(
+    parser: argparse.ArgumentParser, defaults: Any, skip: tuple = (), only: tuple | None = None
+) -> dict:
     """Add a flag per field of `defaults`' dataclass that has one (but those
-    named in `skip`), the help saying `defaults`' value. A flag not given
-    leaves its field unset in the parsed namespace (`given_flags`).
-    Returns the argument groups made, by heading."""
+    named in `skip`; with `only`, just those named there), the help saying
+    `defaults`' value. A flag not given leaves its field unset in the parsed
+    namespace (`given_flags`). Returns the argument groups made, by heading."""
     groups: dict[str, Any] = {}
     for field, flag in flags_of(type(defaults)):
-        if field.name in skip:
+        if field.name in skip or (only is not None and field.name not in only):
             continue
         target = parser
         if flag.group:

@@ -268,19 +268,11 @@ def _comm_parser(sub) -> None:
         help="keep parameters of fewer elements whole on every device, in every "
         "engine configuration (ZeroPPConfig.persistence_threshold; default 0: shard all)",
     )
-    comm.add_argument(
-        "--lora",
-        type=count(why="dimensions of each adapter"),
-        default=None,
-        help="the step of LoRA adapters of this rank over the frozen base (engine configs)",
-    )
-    comm.add_argument(
-        "--frozen-bits",
-        type=lambda text: None if text == "none" else int(text),
-        choices=(8, 4, None),
-        default=8,
-        help="with --lora: bits per code of the frozen base, or none for its own dtype",
-    )
+    # The step of LoRA adapters over the frozen base (engine configs): the
+    # flags `zpp train` has, defined once on their fields.
+    add_flags(comm, _RUN, only=("lora",))
+    add_flags(comm, _RUN.zero, only=("frozen_bits",))
+    comm.set_defaults(lora=_RUN.lora, frozen_bits=_RUN.zero.frozen_bits)
     comm.add_argument("--json", action="store_true", help="print JSON instead of a table")
     comm.set_defaults(func=_comm)
 
