@@ -178,13 +178,19 @@ def test_bad_pipeline_input_is_refused():
 
 
 @pytest.mark.slow
-def test_two_processes_one_stage_each_equal_one(reference, tmp_path):
+@pytest.mark.parametrize(
+    "local, inside",
+    [(4, ["--zero3", "--comm-dtype", "float32"]), (1, ["--no-stage-zero"])],
+    ids=["zero3-over-4-devices", "one-device-per-stage"],
+)
+def test_two_processes_one_stage_each_equal_one(reference, tmp_path, local, inside):
     """`zpp launch --nodes 2 -- train --stages 2`: each process is a stage
-    of 4 devices (ZeRO-3 over them), the activations cross between the
-    processes; the losses equal the single-process unpipelined run's."""
+    of `local` devices (ZeRO-3 over 4, or the layers whole on one, as
+    `benchmarks/terapipe/run.py` runs it), the activations cross between
+    the processes; the losses equal the single-process unpipelined run's."""
     metrics = tmp_path / "m.jsonl"
-    args = ["launch", "--nodes", "2", "--local", "4", "--", "train", "--quiet", "--stages", "2"]
-    args += ["--zero3", "--comm-dtype", "float32", "--compute-dtype", "float32"]
+    args = ["launch", "--nodes", "2", "--local", str(local), "--", "train", "--quiet"]
+    args += ["--stages", "2", *inside, "--compute-dtype", "float32"]
     args += ["--seq", "16", "--batch", "8", "--steps", "5", "--eval-every", "5"]
     args += ["--eval-batches", "1", "--warmup", "1", "--slices", "4,4,8"]
     args += ["--metrics", str(metrics)]

@@ -98,20 +98,18 @@ def step_report(trainer, batch: dict) -> dict:
 
 def state_bytes_per_device(state) -> int:
     """Bytes of a state tree one device holds (the largest per-device
-    share): of arrays, or of shape/dtype structs with shardings."""
+    share): of arrays, or of shape/dtype structs with shardings. Read from
+    the shardings alone, so it touches no buffer (an array of another
+    process's devices counts as its sharding places it)."""
     per_device: dict = {}
     for leaf in jax.tree.leaves(state):
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            shards = leaf.sharding.devices_indices_map(leaf.shape).items()
-            for device, index in shards:
-                size = math.prod(
-                    len(range(*i.indices(n))) for i, n in zip(index, leaf.shape, strict=True)
-                )
-                per_device[device.id] = per_device.get(device.id, 0) + size * leaf.dtype.itemsize
+        if getattr(leaf, "sharding", None) is None:
             continue
-        for shard in getattr(leaf, "addressable_shards", ()):
-            key = shard.device.id
-            per_device[key] = per_device.get(key, 0) + shard.data.nbytes
+        for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
+            size = math.prod(
+                len(range(*i.indices(n))) for i, n in zip(index, leaf.shape, strict=True)
+            )
+            per_device[device.id] = per_device.get(device.id, 0) + size * leaf.dtype.itemsize
     return max(per_device.values(), default=0)
 
 

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 from zpp_jax import config as _config
 from zpp_jax.cli.args import Parser
@@ -553,7 +554,9 @@ def main(argv: list[str] | None = None) -> int:
         if not _in_job():
             raise
         # In a multi-process job a failed collective almost always means that
-        # another process died: say so instead of leaving only an XLA trace.
+        # another process died: say so after the trace, which shows the cause
+        # when it was this process's own.
+        traceback.print_exc()
         _lost_peer(args.command, f"{type(e).__name__}: {_first_line(e)}")
     took = time.perf_counter() - start
     if code == 0:
