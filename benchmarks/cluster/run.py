@@ -2,7 +2,7 @@
 
     sudo python benchmarks/cluster/run.py                       # 1 Gbit/s
     sudo python benchmarks/cluster/run.py --rates 10gbit 1gbit 200mbit
-    sudo python benchmarks/cluster/run.py --sweep               # 3 models x 2 batches
+    sudo python benchmarks/cluster/run.py --sweep --out DIR     # 3 models x 2 batches, a page
     python benchmarks/cluster/run.py --no-network               # one process, 2 x 4
 
 Builds two network namespaces (`zppbench0`, `zppbench1`) joined by a veth pair
@@ -44,6 +44,7 @@ PORT = 47611
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import page  # noqa: E402
 import shaping  # noqa: E402
 
 
@@ -243,7 +244,13 @@ def _parser() -> argparse.ArgumentParser:
         help="one process, 8 devices on a 2 x 4 mesh, no link (no root needed)",
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per node run")
-    p.add_argument("--json", default=None, help="also write all records to this file")
+    p.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        help="also write a results page here: two_nodes.json, two_nodes.png, report.md",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier page in --out")
     p.add_argument(
         "--system-malloc",
         action="store_true",
@@ -254,6 +261,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args, node_args = _parser().parse_known_args(argv)
+    if args.out:
+        page.prepare(args.out, args.overwrite)
     rates = args.rates or ([*SWEEP_RATES, "unshaped"] if args.sweep else ["1gbit"])
     for rate in rates:
         shaping.rate_bits(rate)
@@ -285,7 +294,7 @@ def main(argv=None) -> None:
     if args.no_network:
         for run_args in runs:
             report(run_local(run_args, args.timeout, args.system_malloc))
-        _finish(collected, args.json)
+        _finish(collected, args.out)
         return
     if os.geteuid() != 0:
         sys.exit(
@@ -308,14 +317,16 @@ def main(argv=None) -> None:
         print("interrupted; cleaning up", file=sys.stderr)
     finally:
         cleanup()
-    _finish(collected, args.json)
+    _finish(collected, args.out)
 
 
-def _finish(records: list[dict], path: str | None) -> None:
-    if records:
+def _finish(records: list[dict], out: pathlib.Path | None) -> None:
+    if not records:
+        return
+    if out:
+        page.write(out, records, table(records))
+    else:
         print(table(records))
-        if path:
-            pathlib.Path(path).write_text(json.dumps(records, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """TeraPipe's training mode on this machine: `zpp train --stages 2`, planned
 from a profile and a measured link, with no calibration run of the pipeline.
 
-    python benchmarks/terapipe/run.py        # GPT `small` (d 256, 4 layers), 2048 tokens
+    python benchmarks/terapipe/run.py --out DIR   # GPT `small` (d 256, 4 layers), 2048 tokens
 
 1. Profiles one stage (layers/2 blocks + LM head, forward and backward) in a
    process pinned to one core with one CPU device (`zpp profile`), over slice
@@ -17,6 +17,10 @@ from a profile and a measured link, with no calibration run of the pipeline.
    each), a batch of one sequence, fp32, the layers replicated in their
    stage; median step time over the steps after the first, next to the
    prediction.
+
+Writes `terapipe.json`, `terapipe.png` and `report.md` in --out.
+
+    python benchmarks/terapipe/run.py --out docs/results/DATE-terapipe
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ import sys
 import tempfile
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+import pages  # noqa: E402
 
 
 def _env(extra=None):
@@ -42,6 +49,8 @@ def _env(extra=None):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=pathlib.Path, required=True)
+    p.add_argument("--overwrite", action="store_true")
     p.add_argument("--model", default="small", help="zpp train's GPT preset")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--granularity", type=int, default=64)
@@ -50,6 +59,7 @@ def main(argv=None) -> None:
     p.add_argument("--link", default="/tmp/zpp_terapipe_link.json")
     p.add_argument("--reuse-profile", action="store_true")
     args = p.parse_args(argv)
+    pages.prepare(args.out, "terapipe", args.overwrite)
 
     from zpp_jax.models.gpt import GPTConfig
     from zpp_jax.pipeline import best_uniform, latency, load_cost, plan_tokens
@@ -77,18 +87,71 @@ def main(argv=None) -> None:
     for k, s in plans.items():
         print(f"{k:13s} {len(s):3d} slices {_runs(s)}  predicted {predicted[k]:.3f} s", flush=True)
     measured = {k: _train(args, s) for k, s in plans.items()}
-    base = measured["no slicing"]
-    print(
-        "| slicing | slices | predicted | measured (train step) | measured / predicted "
-        "| speedup vs no slicing |"
+    result = {
+        "command": pages.command(),
+        "machine": pages.machine(),
+        "model": args.model,
+        "seq": args.seq,
+        "granularity": g,
+        "steps": args.steps,
+        "link": link,
+        "plans": {
+            k: {"slices": list(s), "predicted_s": predicted[k], "measured_s": measured[k]}
+            for k, s in plans.items()
+        },
+    }
+    pages.write_json(args.out, "terapipe", result)
+    _plot(result["plans"], args.out / "terapipe.png")
+    pages.write_page(args.out, _page(result))
+
+
+def _page(result: dict) -> str:
+    plans = result["plans"]
+    base = plans["no slicing"]["measured_s"]
+    rows = [
+        [
+            name,
+            f"{len(r['slices'])}: {_runs(r['slices'])}",
+            f"{r['predicted_s']:.3f} s",
+            f"{r['measured_s']:.3f} s",
+            f"{r['measured_s'] / r['predicted_s']:.2f}",
+            f"{base / r['measured_s']:.2f}x",
+        ]
+        for name, r in plans.items()
+    ]
+    header = ["slicing", "slices", "predicted", "measured (train step)", "measured / predicted"]
+    link = result["link"]
+    return (
+        "# TeraPipe: the training mode against its prediction\n\n"
+        f"Made by `{result['command']}`. {pages.machine_line(result['machine'])}\n\n"
+        "`zpp train --stages 2` itself: two `jax.distributed` processes, each pinned to its "
+        f"own core with one CPU device (one stage each), GPT `{result['model']}` on one "
+        f"sequence of {result['seq']} tokens, fp32; median train step (forward, backward, "
+        f"optimizer) over the {result['steps'] - 1} steps after the first. The prediction uses "
+        "no run of the pipeline: the stage's compute from `zpp profile` (both cores "
+        "profiling at once, as both stages run at once) plus the link measured by "
+        f"`zpp profile --link` ({link['bytes_per_s'] * 8 / 1e9:.2f} Gbit/s, "
+        f"{link['latency_s'] * 1e6:.0f} us between the two pinned processes), planned with "
+        f"the lockstep objective at granularity {result['granularity']}. What the stage "
+        "profile does not time (the optimizer update, the embedding) is the gap between the "
+        "two. Data: [terapipe.json](terapipe.json).\n\n"
+        + pages.table([*header, "speedup vs no slicing"], rows)
+        + "\n\n![predicted and measured](terapipe.png)\n"
     )
-    print("|---|---|---|---|---|---|")
-    for name, s in plans.items():
-        m = measured[name]
-        print(
-            f"| {name} | {len(s)}: {_runs(s)} | {predicted[name]:.3f} s | {m:.3f} s"
-            f" | {m / predicted[name]:.2f} | {base / m:.2f}x |"
-        )
+
+
+def _plot(plans: dict, path: pathlib.Path) -> None:
+    fig, ax = pages.figure(figsize=(6, 3.5))
+    names = list(plans)
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [plans[n]["predicted_s"] for n in names], 0.4, label="predicted")
+    ax.bar([i + 0.2 for i in x], [plans[n]["measured_s"] for n in names], 0.4, label="measured")
+    ax.set_xticks(list(x), [f"{n}\n{len(plans[n]['slices'])} slices" for n in names])
+    ax.set_ylabel("train step, s")
+    ax.set_title("zpp train --stages 2: the planner's prediction and the step", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    pages.save(fig, path)
 
 
 def _profile(args, model, per_stage) -> None:
