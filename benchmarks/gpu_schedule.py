@@ -19,18 +19,27 @@ import pathlib
 import subprocess
 import sys
 
+import pages
+
 MODELS = {  # name: zpp comm flags
     "GPT 125m": ["--arch", "gpt", "--model", "125m", "--seq", "1024", "--batch", "8"],
     "Llama 7B": ["--arch", "llama", "--model", "7b", "--seq", "2048", "--batch", "8"],
 }
-CONFIGS = ("zero3", "zeropp", "jit")
-LABELS = {"zero3": "ZeRO-3 (bf16 wire)", "zeropp": "ZeRO++", "jit": "plain jax.jit (FSDP)"}
+CONFIGS = ("zero3", "zeropp", "jit", "jit_fsdp")  # the picture's
+COMPILED = (*CONFIGS, "zeropp_ef")  # the tables'
+LABELS = {
+    "zero3": "ZeRO-3 (bf16 wire)",
+    "zeropp": "ZeRO++",
+    "jit": "jax.jit, XLA-partitioned",
+    "jit_fsdp": "jax.jit, FSDP constraints",
+    "zeropp_ef": "ZeRO++, error feedback",
+}
 
 
 def compile_reports(flags: list[str]) -> dict:
     """`zpp comm --target h200 --json` for one model: report per config."""
     command = [sys.executable, "-m", "zpp_jax", "comm", "--target", "h200", "--json"]
-    command += [*flags, "--compute-dtype", "bfloat16", "--configs", *CONFIGS]
+    command += [*flags, "--compute-dtype", "bfloat16", "--configs", *COMPILED]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     run = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if run.returncode:
@@ -56,17 +65,13 @@ def summary(reports: dict) -> dict:
 
 
 def plot(rows: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     models = list(rows)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    width = 0.27
+    fig, (left, right) = pages.figure(1, 2, figsize=(10, 3.8))
+    width = 0.8 / len(CONFIGS)
     for i, config in enumerate(CONFIGS):
-        x = np.arange(len(models)) + (i - 1) * width
+        x = np.arange(len(models)) + (i - (len(CONFIGS) - 1) / 2) * width
         sent = [rows[m][config]["cross_node_bytes"] / 1e9 for m in models]
         left.bar(x, sent, width, label=LABELS[config])
         step = [rows[m][config]["step_ms"] or 0 for m in models]
@@ -85,33 +90,83 @@ def plot(rows: dict, path: pathlib.Path) -> None:
     right.set_title("hatched: communication no compute covers", fontsize=9)
     left.legend(fontsize=8)
     fig.suptitle("2 nodes x 4 H200, compiled (not run): XLA's estimates", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    pages.save(fig, path, titled=True)
 
 
-def page(rows: dict) -> str:
+def _share(done: int, total: int) -> str:
+    return f"{done}/{total} ({done / total:.0%})" if total else "none"
+
+
+def details(reports: dict) -> str:
+    """Per model and config: memory, what runs behind a GEMM, bytes and
+    XLA's estimates."""
+    header = ["model", "method", "peak GB per GPU", "state GB per GPU"]
+    header += ["weight gathers behind a GEMM", "other collectives behind a GEMM"]
+    header += ["cross-node MB per GPU", "intra-node MB per GPU"]
+    header += ["XLA's step estimate, ms", "exposed (estimate), ms: gathers + others"]
+    rows = []
+    for model, by in reports.items():
+        for config in COMPILED:
+            r = by[config]
+            gathers = r["overlap"].get("all-gather", [0, 0])
+            others = [r["overlap"][k] for k in r["overlap"] if k != "all-gather"]
+            others = [sum(x[0] for x in others), sum(x[1] for x in others)]
+            est = r["estimate"]
+            if est is None:
+                step = exposed = "none"
+            else:
+                gathered = est["exposed_us"].get("all-gather", 0) / 1e3
+                rest = sum(est["exposed_us"].values()) / 1e3 - gathered
+                step, exposed = f"{est['step_us'] / 1e3:.1f}", f"{gathered:.1f} + {rest:.1f}"
+            rows.append(
+                [
+                    model,
+                    LABELS[config],
+                    f"{r['peak_memory_bytes'] / 1e9:.2f}",
+                    f"{r['state_bytes'] / 1e9:.2f}",
+                    _share(*gathers),
+                    _share(*others),
+                    f"{r['cross_node_bytes'] / 1e6:,.1f}",
+                    f"{r['intra_node_bytes'] / 1e6:,.1f}",
+                    step,
+                    exposed,
+                ]
+            )
+    return pages.table(header, rows)
+
+
+def page(rows: dict, reports: dict, made: dict) -> str:
     lines = [
         "| model | method | GB across nodes per GPU | XLA's step estimate, ms | exposed, ms |",
         "|---|---|---|---|---|",
     ]
     for model, by_config in rows.items():
-        for config, r in by_config.items():
+        for config in CONFIGS:
+            r = by_config[config]
             step = "none" if r["step_ms"] is None else f"{r['step_ms']:.1f}"
             exposed = "none" if r["exposed_ms"] is None else f"{r['exposed_ms']:.1f}"
             gb = r["cross_node_bytes"] / 1e9
             lines.append(f"| {model} | {LABELS[config]} | {gb:.3f} | {step} | {exposed} |")
     return (
         "# ZeRO-3, ZeRO++ and jit compiled for H200s: XLA's estimates\n\n"
-        "Made by `python benchmarks/gpu_schedule.py --out DIR` on a 2-core CPU machine "
-        "with the gpu-aot extra: each training step (AdamW, bf16 compute) is compiled for "
+        f"Made by `{made['command']}` with the gpu-aot extra. "
+        f"{pages.machine_line(made['machine'])}\n\n"
+        "Each training step (AdamW, bf16 compute) is compiled for "
         "2 nodes x 4 H200 GPUs from XLA's H200 target description; nothing ran on a GPU. "
         "The step and exposed-communication times are **XLA's estimates** (its scheduler's "
         'cost model, with the engine\'s link model), not measurements; "none" where XLA '
         "gives no estimate (a program with a loop). GPT 125m: batch 8 x 1024 tokens; "
         "Llama 7B: batch 8 x 2048. Data: [gpu_schedule.json](gpu_schedule.json).\n\n"
         + "\n".join(lines)
-        + "\n\n![bytes and steps](gpu_schedule.png)\n"
+        + "\n\n![bytes and steps](gpu_schedule.png)\n\n"
+        "## Each step in detail\n\n"
+        '"Behind a GEMM" counts a step\'s collectives (loop trip counts applied) with at '
+        "least one matrix multiply between their start and their end; the weight gathers "
+        "are the all-gathers, the others are the gradient's reductions (ZeRO-3: bf16 "
+        "all-to-alls; qgZ: the all-to-all inside the node and the permute across nodes) "
+        "and the step's few all-reduces. Peak is `memory_analysis()`'s arguments + "
+        "outputs + temporaries - aliases; state is the parameters and optimizer state "
+        "per GPU. Bytes are per GPU per step under the ring model.\n\n" + details(reports) + "\n"
     )
 
 
@@ -120,22 +175,18 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args()
-    if (args.out / "gpu_schedule.json").exists() and not args.overwrite:
-        sys.exit(f"{args.out}/gpu_schedule.json exists: pass --overwrite to replace it")
+    pages.prepare(args.out, "gpu_schedule", args.overwrite)
     reports = {model: compile_reports(flags) for model, flags in MODELS.items()}
     rows = summary(reports)
-    args.out.mkdir(parents=True, exist_ok=True)
     # Each report without its per-collective list (`zpp comm --json` has it).
     kept = {
         model: {c: {k: v for k, v in r.items() if k != "collectives"} for c, r in by.items()}
         for model, by in reports.items()
     }
-    (args.out / "gpu_schedule.json").write_text(
-        json.dumps({"summary": rows, "reports": kept}, indent=2) + "\n"
-    )
+    made = {"command": pages.command(), "machine": pages.machine()}
+    pages.write_json(args.out, "gpu_schedule", {**made, "summary": rows, "reports": kept})
     plot(rows, args.out / "gpu_schedule.png")
-    (args.out / "report.md").write_text(page(rows))
-    print(page(rows))
+    pages.write_page(args.out, page(rows, kept, made))
 
 
 if __name__ == "__main__":

@@ -80,10 +80,11 @@ def figure(*args, **kwargs):
     return plt.subplots(*args, **kwargs)
 
 
-def save(fig, path: pathlib.Path) -> None:
+def save(fig, path: pathlib.Path, titled: bool = False) -> None:
+    """Write `fig` as a PNG; `titled` leaves room for its suptitle."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.95) if titled else None)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -10,6 +10,7 @@ from zpp_jax import UsageError
 from zpp_jax.analysis import step_report
 from zpp_jax.baseline import JitFSDP, fsdp_sharding
 from zpp_jax.models import GPT, GPTConfig
+from zpp_jax.models.gpt import Embed
 from zpp_jax.train import next_token_loss
 
 CFG = GPTConfig.preset("tiny", seq_len=16, dtype="float32")
@@ -29,11 +30,12 @@ def test_fsdp_sharding_splits_the_largest_dimension_the_devices_divide(mesh24):
     assert fsdp_sharding(mesh24, ()).spec == P()
 
 
-def test_a_step_equals_the_unsharded_step(mesh24):
+@pytest.mark.parametrize("constrain", [False, True], ids=["xla-partitioned", "constrained"])
+def test_a_step_equals_the_unsharded_step(mesh24, constrain):
     # Plain SGD: the sharded sums differ from the unsharded ones in the last
     # bits, which Adam's normalization would magnify for near-zero gradients.
     tx = optax.sgd(0.5, momentum=0.9)
-    baseline = JitFSDP(GPT(CFG, nnx.Rngs(0)), tx, mesh24)
+    baseline = JitFSDP(GPT(CFG, nnx.Rngs(0)), tx, mesh24, constrain_activations=constrain)
     state = baseline.init()
     params, opt_state, rest, step = state
     assert JitFSDP.steps_done(state) == 0
@@ -93,3 +95,44 @@ def test_an_abstract_model_compiles_and_reports(mesh24):
     # the fp32 parameters (small leaves are replicated).
     n = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     assert 3 * 4 * n / 8 <= report["state_bytes"] <= 3 * 4 * n / 8 * 1.2
+
+
+def test_constrained_activations_make_xla_gather_the_weights(mesh24):
+    """With the activations constrained to the batch axes, the step's
+    collectives are the weights' gathers (each parameter in the forward
+    pass, and the scanned layers' again in the backward pass, as FSDP
+    does) and the gradients' reductions; no activation is resharded (no
+    all-to-all, no permute).
+    Left to itself XLA's partitioner moves activations as well."""
+    model = GPT(CFG, nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    tokens = jax.ShapeDtypeStruct((8, CFG.seq_len), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+    sharded = sum(
+        x.size * 4 for x in jax.tree.leaves(params) if fsdp_sharding(mesh24, x.shape).spec != P()
+    )
+    constrained = JitFSDP(model, optax.sgd(1e-2), mesh24, constrain_activations=True)
+    gathered = moved = 0
+    for c in step_report(constrained, batch)["collectives"]:
+        assert c["kind"] in ("all-gather", "all-reduce", "reduce-scatter"), c
+        if c["kind"] == "all-gather":
+            gathered += c["bytes"] * c["runs"]
+
+    def size(path, x):
+        return x.size * 4 if fsdp_sharding(mesh24, x.shape).spec != P() else 0
+
+    flat = [(path, x.get_value()) for path, x in nnx.to_flat_state(params)]
+    layers = sum(size(p, x) for p, x in flat if p[0] == "blocks")
+    kernels = sum(size(p, x) for p, x in flat if p[0] == "blocks" and p[-1] == "kernel")
+    table = CFG.vocab_size * CFG.d_model * 4  # read by a take: its rows are summed instead
+    # Every weight but the table in the forward pass, every layer kernel
+    # again in the backward pass; at most every layer parameter again, the
+    # tokens and the rows the take's transpose gathers.
+    assert (
+        sharded - table + kernels <= gathered <= sharded + layers + 8 * CFG.seq_len * 4 + table // 2
+    )
+    for c in step_report(JitFSDP(model, optax.sgd(1e-2), mesh24), batch)["collectives"]:
+        moved += c["kind"] in ("all-to-all", "collective-permute")
+    assert moved  # the unconstrained plan reshards activations
+    # The model passed in is unchanged: its classes are its own.
+    assert type(model) is GPT and type(model.embed) is Embed

@@ -54,14 +54,17 @@ def test_table_ratios_and_floors():
         rec("zero3", "200mbit", 10.0, 200),  # link: 8 s
         rec("zeropp", "200mbit", 1.2, 20),  # link: 0.8 s
         rec("jit", "200mbit", 1.5, 25),  # link: 1.0 s
+        rec("jit_fsdp", "200mbit", 2.4, 40),  # link: 1.6 s; never run unshaped
     ]
     rows = run.table(records).splitlines()
     assert len(rows) == 4
     cells = [c.strip() for c in rows[3].split("|")[1:-1]]
-    assert cells[:6] == ["768", "16", "200mbit", "10.000 s", "1.200 s", "1.500 s"]
-    assert cells[6:8] == ["8.33x", "1.25x"]
-    assert cells[8] == "200.0 / 20.0 / 25.0"
-    assert cells[9] == "1.25 / 1.50 / 1.50"
+    assert cells[:7] == ["768", "16", "200mbit", "10.000 s", "1.200 s", "1.500 s", "2.400 s"]
+    assert cells[7:10] == ["8.33x", "1.25x", "2.00x"]
+    assert cells[10] == "200.0 / 20.0 / 25.0 / 40.0"
+    assert cells[11] == "1.25 / 1.50 / 1.50 / -"
+    unshaped = [c.strip() for c in rows[2].split("|")[1:-1]]
+    assert unshaped[6] == "-" and unshaped[9] == "-"  # jit_fsdp did not run there
 
 
 def test_node_environment(monkeypatch):
@@ -112,7 +115,7 @@ def test_every_method_runs_a_step():
     )
     assert r.returncode == 0, r.stderr[-2000:]
     recs = _load("run.py").parse_records(r.stdout)
-    assert [x["method"] for x in recs] == ["zero3", "zeropp", "jit"]
+    assert [x["method"] for x in recs] == ["zero3", "zeropp", "jit", "jit_fsdp"]
     # The same model and batch for every method (how close their losses are
     # is the benchmark's to report, not a test's to assert).
     assert len({json.dumps(x["model"], sort_keys=True) for x in recs}) == 1

@@ -10,10 +10,21 @@ gradients) and, on a GPU, schedules them with the same options the engine
 uses (`zpp_jax.overlap.overlap_options`: latency-hiding scheduler, pipelined gathers and
 reductions in layer loops). It has the interface `step_report` reads, so
 `zpp comm` compares it with the engine's methods side by side.
+
+Two forms, as users write them. Left alone (`constrain_activations=False`),
+the partitioner propagates the parameters' shardings into the activations
+and may pick a tensor-parallel plan: it reshards activations between layers
+instead of gathering weights. With `constrain_activations=True` every module
+with parameters has its array inputs and outputs constrained to the batch
+axes (`jax.lax.with_sharding_constraint`, the leading axis over every
+device, the others whole), as MaxText's FSDP rules write it in model code
+(`nn.with_logical_constraint` on ``activation_batch``): XLA must then gather
+each weight and compute on the local batch, which is what FSDP means.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -41,6 +52,42 @@ def fsdp_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def constrain_to_batch(tree, mesh: Mesh):
+    """`tree` with every array of two or more dimensions whose leading one
+    the mesh's device count divides constrained to that axis over every
+    device, its other dimensions whole; other leaves as they are."""
+    sharding = NamedSharding(mesh, P(AXES))
+
+    def one(x):
+        if isinstance(x, jax.Array) and x.ndim >= 2 and x.shape[0] % mesh.size == 0:
+            return jax.lax.with_sharding_constraint(x, sharding)
+        return x
+
+    return jax.tree.map(one, tree)
+
+
+@functools.cache
+def _batch_constrained_class(cls: type, mesh: Mesh) -> type:
+    """`cls` whose ``__call__`` constrains its inputs and outputs to the
+    batch axes (one subclass per class and mesh, so identical modules keep
+    identical graph definitions)."""
+
+    def call(self, *args, **kwargs):
+        args, kwargs = constrain_to_batch((args, kwargs), mesh)
+        return constrain_to_batch(cls.__call__(self, *args, **kwargs), mesh)
+
+    return type(cls.__name__, (cls,), {"__call__": call})
+
+
+def _constrain_modules(model: nnx.Module, mesh: Mesh) -> None:
+    """Route the call of every module of `model` that holds parameters
+    through `constrain_to_batch` (in place)."""
+    for _, module in nnx.iter_modules(model):
+        if type(module).__call__ is nnx.Module.__call__ or not nnx.state(module, nnx.Param):
+            continue
+        module.__class__ = _batch_constrained_class(type(module), mesh)
+
+
 class JitFSDP:
     """``model`` trained by ``optimizer`` under plain `jax.jit`, its state
     sharded by `fsdp_sharding`.
@@ -56,7 +103,9 @@ class JitFSDP:
     precision: the partitioner then gathers them in that dtype), the
     update applied to the fp32 parameters. `model` may be abstract
     (``nnx.eval_shape``), to compile the step for a compile-only mesh
-    (`zpp_jax.analysis.target_mesh`).
+    (`zpp_jax.analysis.target_mesh`). `constrain_activations`: constrain
+    every parameter-holding module's inputs and outputs to the batch axes
+    (the module docstring says why); the model passed in is not changed.
 
     Costs what FSDP costs: each parameter is all-gathered in the forward
     pass and, unless XLA keeps the gathered copy, again in the backward
@@ -72,6 +121,7 @@ class JitFSDP:
         loss_fn: LossFn = next_token_loss,
         compute_dtype=None,
         links: LinkModel | None = DEFAULT_LINKS,
+        constrain_activations: bool = False,
     ) -> None:
         mesh_shape(mesh)
         check_links(links)
@@ -81,6 +131,10 @@ class JitFSDP:
         self.mesh = mesh
         self.compute_dtype = compute_dtype
         self._graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        if constrain_activations:
+            copy = nnx.merge(self._graphdef, params, rest)
+            _constrain_modules(copy, mesh)
+            self._graphdef = nnx.graphdef(copy)
         self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
         opt_state = jax.eval_shape(optimizer.init, params)
 

@@ -16,7 +16,11 @@ Methods:
 - `jit`: what a JAX user would otherwise write: the unsharded NNX model's
   loss under `jax.jit`, parameters and optimizer state laid out with
   `NamedSharding` (FSDP-style: each tensor's largest divisible axis over all
-  devices) and XLA's SPMD partitioner inserting the collectives.
+  devices) and XLA's SPMD partitioner inserting the collectives;
+- `jit_fsdp`: the same with every layer's activations constrained to the
+  batch axes (`JitFSDP(constrain_activations=True)`), as FSDP is written
+  with MaxText's rules: XLA gathers the weights instead of resharding
+  activations.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import numpy as np
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--methods", nargs="+", default=["zero3", "zeropp", "jit"])
+    p.add_argument("--methods", nargs="+", default=["zero3", "zeropp", "jit", "jit_fsdp"])
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -87,8 +91,9 @@ def _zpp_step(method, model_cfg, mesh, seed):
     return trainer.train_step, trainer.init(), trainer.batch_sharding(), size
 
 
-def _jit_step(model_cfg, mesh, seed):
-    """The plain-jit baseline (`zpp_jax.baseline.JitFSDP`): no library code in the step."""
+def _jit_step(model_cfg, mesh, seed, constrain: bool):
+    """A plain-jit baseline (`zpp_jax.baseline.JitFSDP`): no library code in
+    the step; `constrain`: activations constrained to the batch axes."""
     import optax
     from flax import nnx
 
@@ -97,7 +102,7 @@ def _jit_step(model_cfg, mesh, seed):
 
     model = GPT(model_cfg, nnx.Rngs(seed))
     size = _num_params(model)
-    baseline = JitFSDP(model, optax.adamw(1e-3), mesh)
+    baseline = JitFSDP(model, optax.adamw(1e-3), mesh, constrain_activations=constrain)
     return baseline.train_step, baseline.init(), baseline.batch_sharding(), size
 
 
@@ -152,8 +157,8 @@ def main(argv=None) -> None:
     lead = jax.process_index() == 0
 
     for method in args.methods:
-        if method == "jit":
-            step, state, sharding, size = _jit_step(model_cfg, mesh, 0)
+        if method in ("jit", "jit_fsdp"):
+            step, state, sharding, size = _jit_step(model_cfg, mesh, 0, method == "jit_fsdp")
         else:
             step, state, sharding, size = _zpp_step(method, model_cfg, mesh, 0)
 

@@ -10,25 +10,33 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import pages  # noqa: E402
 
-LABELS = {"zero3": "ZeRO-3 (bf16 wire)", "zeropp": "ZeRO++", "jit": "plain jax.jit (FSDP)"}
+LABELS = {
+    "zero3": "ZeRO-3 (bf16 wire)",
+    "zeropp": "ZeRO++",
+    "jit": "jax.jit, XLA-partitioned",
+    "jit_fsdp": "jax.jit, FSDP constraints",
+}
 
 METHOD = """\
-Two network namespaces joined by a veth pair, each end shaped with `tc ... tbf`
-to the rate, and one `jax.distributed` process with 4 CPU devices in each: a
-2 x 4 mesh, collectives over gloo/TCP. Each process compiles each method's
-GPT training step once; then, for every rate, both shape their own end of the
-link, meet at a barrier, warm up and time the step (median). The methods are
-ZeRO-3 (bf16 gathers and gradients), ZeRO++ (int8 weights + hpZ + int4
-gradients) and plain `jax.jit` (the unsharded NNX model, parameters and Adam
-state sharded FSDP-style with `NamedSharding`, XLA's partitioner inserting the
-collectives). The bytes that crossed the link are read from the veth counters
-(the busier direction). A tbf shaper lets a sender push its bucket at the
-veth's own speed after an idle spell, where a real link serializes every byte,
-so the bucket is 1 ms of the rate (16 KiB at least). Each method's floor is
-max(its step on the unshaped link, its link bytes / rate); "step / floor" is
-how far it is from it. The 8 emulated devices share the machine's cores, so
-every method's compute is slower than on 8 real devices; steps move by 10-20%
-from run to run, so ratios near 1 are ties."""
+Two network namespaces joined by a veth pair, each end shaped with `tc ...
+tbf` to the rate, and one `jax.distributed` process with 4 CPU devices in
+each: a 2 x 4 mesh, collectives over gloo/TCP. Each process compiles each
+method's GPT training step once; then, for every rate, both shape their own
+end of the link, meet at a barrier, warm up and time the step (median). The
+methods are ZeRO-3 (bf16 gathers and gradients), ZeRO++ (int8 weights + hpZ +
+int4 gradients) and plain `jax.jit` in two forms: the unsharded NNX model with
+parameters and Adam state sharded FSDP-style with `NamedSharding` and XLA's
+partitioner choosing the rest ("jit", which may move activations instead of
+weights), and the same with every layer's activations constrained to the batch
+axes ("jit (FSDP)", FSDP as MaxText writes it: XLA gathers the weights). Both
+compute and communicate in the model's fp32. The bytes that crossed the link
+are read from the veth counters (the busier direction). A tbf shaper lets a
+sender push its bucket at the veth's own speed after an idle spell, where a
+real link serializes every byte, so the bucket is 1 ms of the rate (16 KiB at
+least). Each method's floor is max(its step on the unshaped link, its link
+bytes / rate); "step / floor" is how far it is from it. The 8 emulated devices
+share the machine's cores, so every method's compute is slower than on 8 real
+devices; steps move by 10-20% from run to run, so ratios near 1 are ties."""
 
 
 def key(r: dict) -> tuple[int, int]:
@@ -43,16 +51,15 @@ def summary(records: list[dict]) -> list[str]:
         by.setdefault(r.get("rate") or "no network", {}).setdefault(key(r), {})[r["method"]] = r
     lines = []
     for rate, cases in by.items():
-        full = [c for c in cases.values() if {"zero3", "zeropp", "jit"} <= set(c)]
+        full = [c for c in cases.values() if {"zero3", "zeropp"} <= set(c)]
         if not full:
             continue
-        vs_z3 = [c["zero3"]["median_s"] / c["zeropp"]["median_s"] for c in full]
-        vs_jit = [c["jit"]["median_s"] / c["zeropp"]["median_s"] for c in full]
-        line = (
-            f"- **{rate}**, {len(full)} model and batch sizes: ZeRO++ is "
-            f"{_span(vs_z3, '.2f')}x as fast as ZeRO-3 and {_span(vs_jit, '.2f')}x as fast as "
-            "plain jit"
-        )
+        speedups = []
+        for other in ("zero3", "jit", "jit_fsdp"):
+            ratios = [c[other]["median_s"] / c["zeropp"]["median_s"] for c in full if other in c]
+            if ratios:
+                speedups.append(f"{_span(ratios, '.2f')}x as fast as {LABELS[other]}")
+        line = f"- **{rate}**, {len(full)} model and batch sizes: ZeRO++ is " + ", ".join(speedups)
         if rate != "no network":
             moved = [_bytes(c["zero3"]) / _bytes(c["zeropp"]) for c in full]
             line += f"; ZeRO-3 moves {_span(moved, '.1f')}x its bytes over the link"
@@ -89,15 +96,26 @@ def plot(records: list[dict], path: pathlib.Path) -> None:
     axes[0][0].set_ylabel("step, s (median)")
     axes[0][0].legend(fontsize=7)
     fig.suptitle("Two processes x 4 CPU devices over a shaped link", fontsize=10)
-    pages.save(fig, path)
+    pages.save(fig, path, titled=True)
+
+
+LOCAL = """\
+One process with 8 CPU devices on a 2 x 4 mesh: every collective in memory,
+no link at all. What is left is each method's compute and its
+quantization kernels, on devices that share the machine's cores and memory
+bus (so every ZeRO method, which runs each layer against the full weight on
+each device, reads the weights 8 times over one bus, where jit's
+partitioned program reads each once, in eighths)."""
 
 
 def text(result: dict, table: str) -> str:
-    root = " (as root)" if any(r.get("rate") for r in result["records"]) else ""
+    linked = any(r.get("rate") for r in result["records"])
+    title = "Two nodes over a shaped link" if linked else "Two nodes with no link: the compute"
     return (
-        "# Two nodes over a shaped link\n\n"
-        f"Made by `{result['command']}`{root}. {pages.machine_line(result['machine'])}\n\n"
-        + METHOD
+        f"# {title}\n\n"
+        f"Made by `{result['command']}`{' (as root)' if linked else ''}. "
+        f"{pages.machine_line(result['machine'])}\n\n"
+        + (METHOD if linked else LOCAL)
         + "\n\nModels: the GPT of `benchmarks/cluster/node.py` with 4 layers, byte vocabulary, "
         "fp32 compute, d_ff 4 x d_model; the batch is 8 sequences of `tokens/device` "
         "tokens, one per device. Data: [two_nodes.json](two_nodes.json).\n\n"

@@ -162,7 +162,7 @@ def run_nodes(node_args: list[str], timeout: float, system_malloc: bool = False)
                 p.wait()
 
 
-METHODS = ("zero3", "zeropp", "jit")
+METHODS = ("zero3", "zeropp", "jit", "jit_fsdp")
 SWEEP_MODELS = (  # (d_model, d_ff, heads): the README model, then two it was not tuned on
     (512, 2048, 8),
     (768, 3072, 12),
@@ -186,42 +186,44 @@ def _link_s(rec: dict) -> float:
     """Seconds the link needs per step for this record's bytes at its rate
     (the busier direction)."""
     bits = shaping.rate_bits(rec["rate"]) if rec.get("rate") else float("inf")
-    return max(rec["link_tx_bytes"], rec["link_rx_bytes"]) * 8 / bits
+    return _bytes(rec) * 8 / bits
 
 
 def table(records: list[dict]) -> str:
-    """One row per (model, tokens per device, rate): the three methods'
-    median steps, ZeRO++'s ratios, the bytes each way, and each method's
-    step over its floor max(compute, link time), where compute is the
-    method's step on the unshaped link (when it was run)."""
-    lines = [
-        "| d_model | tokens/device | link | ZeRO-3 | ZeRO++ | plain jit | ZeRO++ vs ZeRO-3 "
-        "| ZeRO++ vs jit | MB/step each way (Z3 / Z++ / jit) | step / floor (Z3 / Z++ / jit) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    """One row per (model, tokens per device, rate): each method's median
+    step ("-" where it did not run), ZeRO++'s speedup against each other
+    method, the bytes each way, and each method's step over its floor
+    max(compute, link time), where compute is the method's step on the
+    unshaped link (when it was run)."""
+    names = {"zero3": "ZeRO-3", "zeropp": "ZeRO++", "jit": "jit", "jit_fsdp": "jit (FSDP)"}
+    others = [m for m in METHODS if m != "zeropp"]
+    header = ["d_model", "tokens/device", "link", *(names[m] for m in METHODS)]
+    header += [f"ZeRO++ vs {names[m]}" for m in others]
+    header += [f"MB/step each way ({' / '.join(names[m] for m in METHODS)})", "step / floor"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     key = lambda r: (r["model"]["d_model"], r["tokens_per_device"])  # noqa: E731
     compute = {(key(r), r["method"]): r["median_s"] for r in records if r.get("rate") == "unshaped"}
     rows: dict = {}
     for r in records:
         rows.setdefault((key(r), r.get("rate")), {})[r["method"]] = r
     for ((d, tokens), rate), by in rows.items():
-        if any(m not in by for m in METHODS):
+        if "zeropp" not in by:
             continue
-        z3, zpp, jit = (by[m] for m in METHODS)
-        mb = " / ".join(
-            f"{max(r['link_tx_bytes'], r['link_rx_bytes']) / 1e6:.1f}" for r in (z3, zpp, jit)
-        )
+        zpp = by["zeropp"]["median_s"]
+        steps = [f"{by[m]['median_s']:.3f} s" if m in by else "-" for m in METHODS]
+        ratios = [f"{by[m]['median_s'] / zpp:.2f}x" if m in by else "-" for m in others]
+        mb = [f"{_bytes(by[m]) / 1e6:.1f}" if m in by else "-" for m in METHODS]
         floors = []
-        for m, r in zip(METHODS, (z3, zpp, jit), strict=True):
+        for m in METHODS:
             c = compute.get(((d, tokens), m))
-            floors.append(f"{r['median_s'] / max(c, _link_s(r)):.2f}" if c else "-")
-        lines.append(
-            f"| {d} | {tokens} | {rate or 'no network'} | {z3['median_s']:.3f} s | "
-            f"{zpp['median_s']:.3f} s | {jit['median_s']:.3f} s | "
-            f"{z3['median_s'] / zpp['median_s']:.2f}x | {jit['median_s'] / zpp['median_s']:.2f}x | "
-            f"{mb} | {' / '.join(floors)} |"
-        )
+            floors.append(f"{by[m]['median_s'] / max(c, _link_s(by[m])):.2f}" if c else "-")
+        cells = [str(d), str(tokens), rate or "no network", *steps, *ratios]
+        lines.append("| " + " | ".join([*cells, " / ".join(mb), " / ".join(floors)]) + " |")
     return "\n".join(lines)
+
+
+def _bytes(rec: dict) -> float:
+    return max(rec["link_tx_bytes"], rec["link_rx_bytes"])
 
 
 def _parser() -> argparse.ArgumentParser:

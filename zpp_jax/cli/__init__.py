@@ -260,7 +260,9 @@ def _comm_parser(sub) -> None:
         nargs="+",
         default=["zero3", "qwz", "hpz", "qgz", "zeropp"],
         help="engine configurations (zero3, qwz, hpz, qgz, zeropp, zeropp_ef) and "
-        "baselines (jit: plain jax.jit with FSDP-style shardings)",
+        "baselines (jit: plain jax.jit with FSDP-style parameter shardings, XLA "
+        "partitioning the rest; jit_fsdp: the same with activations constrained to "
+        "the batch axes, as MaxText writes FSDP)",
     )
     comm.add_argument(
         "--persistence-threshold",

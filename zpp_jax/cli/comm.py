@@ -9,13 +9,17 @@ nodes. Peak memory per device comes from `memory_analysis()`, next to the
 bytes of the training state one device holds (parameters, optimizer state,
 error-feedback residuals). For a GPU target (compiled, not run: see
 `zpp_jax.analysis.target`) each collective also shows what it is scheduled behind.
-Besides the engine's configurations, "jit" is the baseline a user would
-otherwise write: plain `jax.jit` with FSDP-style shardings (`JitFSDP`).
+Besides the engine's configurations, two baselines a user would otherwise
+write: "jit", plain `jax.jit` with FSDP-style parameter shardings and XLA
+choosing the rest (`JitFSDP`), and "jit_fsdp", the same with every layer's
+activations constrained to the batch axes (`JitFSDP(constrain_activations=
+True)`, FSDP as MaxText writes it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable
 
@@ -42,7 +46,10 @@ DEFAULT_CONFIGS = {
     "zeropp_ef": ZeroPPConfig(comm_dtype="bfloat16", error_feedback=True),
 }
 # Methods that are not the engine's, compared with it: name -> builder.
-BASELINES = {"jit": JitFSDP}
+BASELINES = {
+    "jit": JitFSDP,
+    "jit_fsdp": functools.partial(JitFSDP, constrain_activations=True),
+}
 
 
 def compare(
