@@ -162,7 +162,9 @@ def _profile(args, model, per_stage) -> None:
         cmd = ["taskset", "-c", str(core), sys.executable, "-m", "zpp_jax", "profile"]
         cmd += ["--layers", str(per_stage), "--hidden", str(model.d_model)]
         cmd += ["--heads", str(model.n_heads), "--ffn", str(model.d_ff)]
-        cmd += ["--seq", str(args.seq), "--out", out]
+        # Every length at every context: the stage's positions must reach
+        # the longest length after the longest context.
+        cmd += ["--seq", str(max(lengths) + max(contexts)), "--out", out]
         cmd += ["--lengths", *map(str, lengths), "--contexts", *map(str, contexts)]
         quiet = subprocess.DEVNULL if core else None
         return subprocess.Popen(cmd, env=_env({"ZPP_LOCAL_CPU_DEVICES": "1"}), stdout=quiet)
