@@ -290,6 +290,52 @@ class ZeroPPConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    def to_file(self, path, *, about: dict | None = None, overwrite: bool = False) -> None:
+        """Write this configuration as JSON (``{"ZeroPPConfig": fields,
+        "about": about}``), which `from_file` and ``zpp train --config``
+        read. `about` is free-form provenance (what `zpp tune` measured).
+        Refuses an existing file unless `overwrite`, and a callable `remat`
+        (a policy function has no file form)."""
+        import json
+        import pathlib
+
+        if callable(self.remat):
+            raise UsageError(
+                "a ZeroPPConfig with a remat function cannot be written to a file; use one of "
+                f"{_SUPPORTED_REMATS}"
+            )
+        target = pathlib.Path(path)
+        if target.exists() and not overwrite:
+            raise UsageError(f"{target} exists: pass overwrite=True (--overwrite) to replace it")
+        body = {"ZeroPPConfig": dataclasses.asdict(self), "about": about or {}}
+        target.write_text(json.dumps(body, indent=1) + "\n")
+
+    @classmethod
+    def from_file(cls, path) -> ZeroPPConfig:
+        """The configuration `to_file` (or `zpp tune`) wrote, validated as
+        the constructor validates; a field it does not know is refused by
+        name."""
+        import json
+        import pathlib
+
+        try:
+            body = json.loads(pathlib.Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError(f"cannot read a ZeroPPConfig from {path}: {e}") from None
+        fields = body.get("ZeroPPConfig") if isinstance(body, dict) else None
+        if not isinstance(fields, dict):
+            raise UsageError(
+                f'{path} holds no {{"ZeroPPConfig": {{...}}}} object; write one with '
+                "ZeroPPConfig.to_file or zpp tune"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise UsageError(
+                f"{path}: unknown ZeroPPConfig fields {unknown}; known: {sorted(known)}"
+            )
+        return cls(**fields)
+
 
 def _check_block(name: str, value, int4: bool) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

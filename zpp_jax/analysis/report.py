@@ -41,18 +41,28 @@ def step_report(trainer, batch: dict) -> dict:
     trainer may be abstract (built on an ``nnx.eval_shape`` model, for a
     compile-only mesh); any `zpp_jax.program.TrainingProgram` will do (`zpp_jax.baseline.JitFSDP`,
     `zpp_jax.pipeline.PipelineTrainer`)."""
-    estimate = None
-    if schedules_overlap(trainer.mesh):
-        with tempfile.TemporaryDirectory() as dump:
-            options = {
-                **trainer.compiler_options,
-                "xla_dump_to": dump,
-                "xla_dump_latency_hiding_schedule": True,
-            }
-            compiled = trainer.compile_step(batch, options)
-            estimate = read_estimate(Path(dump))
-    else:
-        compiled = trainer.compile_step(batch)
+    return report_of(trainer, *compile_with_estimate(trainer, batch))
+
+
+def compile_with_estimate(trainer, batch: dict) -> tuple:
+    """(`trainer.train_step` compiled for `batch`, XLA's `ScheduleEstimate`
+    of it on a GPU mesh, else None). The compiled program runs as the step
+    does (on devices that can run it), so one compile can be both timed
+    and reported (`report_of`)."""
+    if not schedules_overlap(trainer.mesh):
+        return trainer.compile_step(batch), None
+    with tempfile.TemporaryDirectory() as dump:
+        options = {
+            **trainer.compiler_options,
+            "xla_dump_to": dump,
+            "xla_dump_latency_hiding_schedule": True,
+        }
+        compiled = trainer.compile_step(batch, options)
+        return compiled, read_estimate(Path(dump))
+
+
+def report_of(trainer, compiled, estimate) -> dict:
+    """`step_report`'s dict for a step `compile_with_estimate` compiled."""
     _, local = mesh_shape(trainer.mesh)
     text = compiled.as_text()
     withheld = None

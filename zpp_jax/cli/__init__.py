@@ -35,12 +35,25 @@ def _add_technique_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the ZeRO-3 baseline: every technique off, bf16 wire (ZeroPPConfig.zero3())",
     )
+    groups[_config.TECHNIQUES].add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="start from the ZeroPPConfig in FILE (zpp tune writes one; "
+        "ZeroPPConfig.to_file); technique flags given change its fields",
+    )
 
 
 def _config_from_args(args):
     """The ZeroPPConfig the technique flags describe."""
     given = given_flags(_config.ZeroPPConfig, args)
     common = {name: given.pop(name) for name in ("comm_dtype", "remat") if name in given}
+    if args.config is not None:
+        if args.zero3:
+            raise UsageError(
+                f"--zero3 and --config {args.config} both choose the techniques; drop one"
+            )
+        return _config.ZeroPPConfig.from_file(args.config).replace(**given, **common)
     if args.zero3:
         if given:
             fields = {f.name: f for f in dataclasses.fields(_config.ZeroPPConfig)}
@@ -93,30 +106,32 @@ def _demo(args) -> int:
     )
 
 
-def _join_job(command: str, cfg: RunConfig, given: dict) -> tuple[int, int]:
+def _join_job(command: str, cfg, given: dict) -> tuple[int, int]:
     """Join a multi-process job if the environment describes one (`zpp launch`
     or a cluster launcher); then node = process and local = its devices.
-    Otherwise emulate nodes x local CPU devices in this process. Returns
-    the run's (nodes, local)."""
+    Otherwise emulate nodes x local CPU devices in this process. `cfg`: a
+    `RunConfig` or a `TuneConfig` (no stages). Returns the run's (nodes,
+    local)."""
     from zpp_jax.distributed import DistributedConfig, initialize
 
     dist = DistributedConfig.from_env()
+    stages = getattr(cfg, "stages", 1)
     if not dist.is_multi_process:
-        what = "--stages x --nodes x --local" if cfg.stages > 1 else "--nodes x --local"
-        _use_emulated_devices(cfg.stages * cfg.nodes * cfg.local, what)
+        what = "--stages x --nodes x --local" if stages > 1 else "--nodes x --local"
+        _use_emulated_devices(stages * cfg.nodes * cfg.local, what)
         return cfg.nodes, cfg.local
     initialize(dist, on_lost_peer=functools.partial(_lost_peer, command))
     import jax
 
     nodes, local = jax.process_count(), jax.local_device_count()
-    if cfg.stages > 1:
+    if stages > 1:
         # The stages take the processes in turn: nodes per stage.
-        if nodes % cfg.stages:
+        if nodes % stages:
             raise UsageError(
-                f"--stages {cfg.stages} does not divide the job's {nodes} processes; each "
+                f"--stages {stages} does not divide the job's {nodes} processes; each "
                 "stage needs whole processes (nodes)"
             )
-        nodes //= cfg.stages
+        nodes //= stages
     for name, have in (("nodes", nodes), ("local", local)):
         if name in given and given[name] != have:
             raise UsageError(
@@ -209,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     _demo_parser(sub)
     _export_parser(sub)
     _sample_parser(sub)
+    _tune_parser(sub)
     return parser
 
 
@@ -498,6 +514,35 @@ def _sample(args) -> int:
     )
     print(args.prompt + text)
     return 0
+
+
+def _tune_parser(sub) -> None:
+    from zpp_jax.recipes.tune import TuneConfig
+
+    tune = sub.add_parser(
+        "tune",
+        help="choose the ZeRO++ settings for a model, mesh, batch and link: compile and time "
+        "(or, for GPUs, estimate) the candidates, print them ranked, write the winner's config",
+    )
+    add_flags(tune, TuneConfig())
+    tune.set_defaults(func=_tune)
+
+
+def _tune(args) -> int:
+    from zpp_jax.recipes.tune import TuneConfig
+
+    given = given_flags(TuneConfig, args)
+    cfg = TuneConfig(**given)
+    if cfg.target == "cpu":
+        nodes, local = _join_job(args.command, cfg, given)
+    else:
+        if "jax" not in sys.modules:
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only: no GPU needed
+        nodes, local = cfg.nodes, cfg.local
+        _use_emulated_devices(nodes * local)  # the numerics run on CPU devices
+    from zpp_jax.recipes.tune_run import run_tune_command
+
+    return run_tune_command(dataclasses.replace(cfg, nodes=nodes, local=local))
 
 
 def _demo_parser(sub) -> None:

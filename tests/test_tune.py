@@ -1,0 +1,162 @@
+"""`zpp tune`: the candidates, the byte bound that prunes them, the link
+and config files, and a whole run choosing the fastest setting it measured."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from zpp_jax import UsageError, ZeroPPConfig
+from zpp_jax.analysis import step_report
+from zpp_jax.cli import build_parser
+from zpp_jax.models import GPT, GPTConfig
+from zpp_jax.recipes.tune import (
+    Candidate,
+    Link,
+    TuneConfig,
+    candidates,
+    choose,
+    link_bound_s,
+    refinements,
+    wire_bytes,
+)
+from zpp_jax.train import Trainer
+
+
+def test_candidates_switch_each_technique_alone_and_together():
+    found = {c.name: c.config for c in candidates(ZeroPPConfig(comm_dtype="bfloat16"))}
+    assert found["zero3"] == ZeroPPConfig.zero3()
+    assert found["hpz"] == ZeroPPConfig.zero3(hpz=True)
+    alone = {n: (c.quantize_weights, c.hpz, c.quantize_gradients) for n, c in found.items()}
+    assert alone["qwz8"] == alone["qwz4"] == (True, False, False)
+    assert alone["qgz4"] == alone["qgz8"] == (False, False, True)
+    for w in (8, 4):
+        for g in (4, 8):
+            cfg = found[f"zeropp w{w} g{g}"]
+            assert (cfg.weight_bits, cfg.gradient_bits, cfg.hpz) == (w, g, True)
+    assert found["zeropp w8 g4 ef"].error_feedback
+    more = refinements(Candidate("zeropp w8 g4", found["zeropp w8 g4"]))
+    assert {c.config.block_size for c in more} == {128, 256, 512}
+    assert {c.config.remat for c in more} == {"dots", "none", "full"}
+    assert len({c.name for c in more}) == len(more)
+
+
+@pytest.mark.parametrize("name", ["zero3", "qwz8", "hpz", "qgz4", "zeropp w8 g4"])
+def test_wire_bytes_bound_what_the_compiled_step_moves(mesh24, name):
+    """The analytic bytes are a lower bound of the compiled step's (which
+    re-gathers most weights for the backward pass, across nodes without
+    hpZ), and within 2x of them: the pruning is sound and useful."""
+    cfg = GPTConfig.preset("tiny", seq_len=16, dtype="float32")
+    config = {c.name: c.config for c in candidates(ZeroPPConfig(comm_dtype="bfloat16"))}[name]
+    model = GPT(cfg, nnx.Rngs(0))
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    trainer = Trainer(model, optax.adamw(1e-3), mesh24, config)
+    tokens = jax.ShapeDtypeStruct((8, cfg.seq_len), jnp.int32)
+    report = step_report(trainer, {"inputs": tokens, "targets": tokens})
+    cross, intra = wire_bytes(config, params, 2, 4)
+    assert cross <= report["cross_node_bytes"] <= 2 * cross
+    assert intra <= report["intra_node_bytes"] <= 2 * intra + 1
+
+
+def test_link_bound_is_the_slower_link_and_orders_the_techniques():
+    slow = Link(intra_gbps=100, inter_gbps=0.025)  # 200 Mbit/s between nodes
+    bounds = {
+        c.name: link_bound_s(c.config, 10**8, 2, 4, slow)
+        for c in candidates(ZeroPPConfig(comm_dtype="bfloat16"))
+    }
+    cross, _ = wire_bytes(ZeroPPConfig.zero3(), 10**8, 2, 4)
+    assert bounds["zero3"] == pytest.approx(cross / 0.025e9)
+    assert bounds["zeropp w4 g4"] < bounds["zeropp w8 g4"] < bounds["qwz8"] < bounds["zero3"]
+    one_node = wire_bytes(ZeroPPConfig.zero3(), 10**8, 1, 8)
+    assert one_node[0] == 0 and one_node[1] > 0
+
+
+def test_link_parses_numbers_and_profile_files(tmp_path):
+    assert Link.parse("intra=300,inter=50") == Link(300, 50, 25.0)
+    assert Link.parse("inter=1.25,intra=100,latency=40") == Link(100, 1.25, 40.0)
+    measured = tmp_path / "link.json"
+    measured.write_text(json.dumps({"bytes_per_s": 1.25e9, "latency_s": 3e-4}))
+    got = Link.parse(str(measured))
+    assert got.inter_gbps == pytest.approx(1.25) and got.latency_us == pytest.approx(300)
+    for bad, why in [
+        ("intra=300", "give inter="),
+        ("intra=300,inter=-1", "positive"),
+        ("intra=300,inter=x", "not a number"),
+        ("up=3,inter=1", "unknown 'up'"),
+        (str(tmp_path / "missing.json"), "zpp profile --link"),
+    ]:
+        with pytest.raises(UsageError, match=why):
+            Link.parse(bad)
+    with pytest.raises(UsageError, match="MODULE:FUNCTION"):
+        TuneConfig(entry="mymodels")
+
+
+def test_choose_takes_the_fastest_within_the_error_bound():
+    rows = [
+        {"name": "a", "step_s": 1.0, "grad_error": 0.5},
+        {"name": "b", "step_s": 2.0, "grad_error": 0.01},
+        {"name": "c", "step_s": None, "note": "pruned"},
+    ]
+    assert choose(rows, None)["name"] == "a"
+    assert choose(rows, 0.1)["name"] == "b"
+    with pytest.raises(UsageError, match="--max-grad-error"):
+        choose(rows, 0.001)
+
+
+def test_config_file_round_trips_and_refuses_what_it_cannot_read(tmp_path):
+    path = tmp_path / "zpp.json"
+    config = ZeroPPConfig(weight_bits=4, gradient_block_size=64, remat="full")
+    config.to_file(path, about={"setting": "w4"})
+    assert ZeroPPConfig.from_file(path) == config
+    with pytest.raises(UsageError, match="overwrite"):
+        config.to_file(path)
+    body = json.loads(path.read_text())
+    body["ZeroPPConfig"]["colour"] = "red"
+    path.write_text(json.dumps(body))
+    with pytest.raises(UsageError, match=r"unknown ZeroPPConfig fields \['colour'\]"):
+        ZeroPPConfig.from_file(path)
+    path.write_text("[]")
+    with pytest.raises(UsageError, match="holds no"):
+        ZeroPPConfig.from_file(path)
+    with pytest.raises(UsageError, match="remat function"):
+        ZeroPPConfig(remat=lambda *a, **k: False).to_file(tmp_path / "f.json")
+
+
+def test_zpp_train_starts_from_a_config_file(tmp_path):
+    from zpp_jax.cli import _run_config
+
+    path = tmp_path / "tuned.json"
+    ZeroPPConfig(comm_dtype="bfloat16", weight_bits=4, block_size=128).to_file(path)
+    args = build_parser().parse_args(["train", "--config", str(path), "--no-hpz"])
+    cfg, _ = _run_config(args)
+    assert cfg.zero == ZeroPPConfig(comm_dtype="bfloat16", weight_bits=4, block_size=128, hpz=False)
+    args = build_parser().parse_args(["train", "--config", str(path), "--zero3"])
+    with pytest.raises(UsageError, match="drop one"):
+        _run_config(args)
+
+
+@pytest.mark.slow
+def test_zpp_tune_writes_the_fastest_setting_it_measured(tmp_path):
+    out = tmp_path / "tuned.json"
+    cmd = [sys.executable, "-m", "zpp_jax", "tune", "--model", "tiny", "--seq", "16"]
+    cmd += ["--batch", "8", "--budget", "3", "--steps", "2", "--quiet", "--out", str(out)]
+    cmd += ["--link", "intra=100,inter=0.025"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    measured = [line for line in lines if line[:2].strip() == "*" or line[:2].strip().isdigit()]
+    assert len(measured) == 3  # the budget
+    assert sum("not compiled: --budget spent" in line for line in lines) >= 8
+    chosen = json.loads(out.read_text())["about"]
+    winner = [line for line in measured if line.startswith(" *")]
+    assert len(winner) == 1 and chosen["setting"] in winner[0]
+    steps = [float(line.split(" ms")[0].split()[-1]) for line in measured]
+    assert steps[0] == min(steps)  # the table is ranked and the winner is first
+    assert ZeroPPConfig.from_file(out).quantize_gradients
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "--overwrite" in again.stderr
