@@ -52,7 +52,7 @@ def fsdp_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def constrain_to_batch(tree, mesh: Mesh):
+def _constrain_to_batch(tree, mesh: Mesh):
     """`tree` with every array of two or more dimensions whose leading one
     the mesh's device count divides constrained to that axis over every
     device, its other dimensions whole; other leaves as they are."""
@@ -73,15 +73,15 @@ def _batch_constrained_class(cls: type, mesh: Mesh) -> type:
     identical graph definitions)."""
 
     def call(self, *args, **kwargs):
-        args, kwargs = constrain_to_batch((args, kwargs), mesh)
-        return constrain_to_batch(cls.__call__(self, *args, **kwargs), mesh)
+        args, kwargs = _constrain_to_batch((args, kwargs), mesh)
+        return _constrain_to_batch(cls.__call__(self, *args, **kwargs), mesh)
 
     return type(cls.__name__, (cls,), {"__call__": call})
 
 
 def _constrain_modules(model: nnx.Module, mesh: Mesh) -> None:
     """Route the call of every module of `model` that holds parameters
-    through `constrain_to_batch` (in place)."""
+    through `_constrain_to_batch` (in place)."""
     for _, module in nnx.iter_modules(model):
         if type(module).__call__ is nnx.Module.__call__ or not nnx.state(module, nnx.Param):
             continue

@@ -252,9 +252,19 @@ def tune(cfg: TuneConfig, mesh, cpu_mesh) -> dict:
             "batch": cfg.batch,
             "seq": tuner.seq,
             "link": cfg.link,
+            "compiles": tuner.compiles,
+            "seconds": took,
+            "rows": [_summary(r) for r in rows],
         }
         winner["config"].to_file(out, about=about, overwrite=cfg.overwrite)
     return {"rows": rows, "winner": winner["name"], "seconds": took, "compiles": tuner.compiles}
+
+
+def _summary(row: dict) -> dict:
+    """A row as the config file's provenance keeps it (JSON, no config)."""
+    keys = ("name", "step_s", "exposed_s", "grad_error", "bound_s", "note")
+    keys += ("cross_node_bytes", "intra_node_bytes", "peak_memory_bytes")
+    return {k: row[k] for k in keys if row.get(k) is not None}
 
 
 def table(result: dict, target: str) -> str:

@@ -1,0 +1,170 @@
+"""`zpp tune` on two nodes over a shaped link, against a full sweep.
+
+    sudo python benchmarks/cluster/tune.py --out docs/results/DATE-tune
+
+For each link rate, the two network namespaces of `run.py` are joined by a
+veth pair shaped at both ends with `tc ... tbf`, and `zpp tune` runs as two
+`jax.distributed` processes (one per namespace, 4 CPU devices each, a
+2 x 4 mesh), twice:
+
+- **as a user runs it**: told the link (`--link intra=100,inter=RATE`), so
+  it prunes the settings whose link time alone exceeds the fastest step,
+  within its default budget;
+- **a full sweep**: without `--link` (nothing pruned) and a budget that
+  compiles every candidate.
+
+The page reports, per rate, the setting each chose, its step, the compiles
+and the wall time, and the chosen setting's step against the full sweep's
+fastest. Writes `tune.json`, `tune.png` and `report.md`. Needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import pages  # noqa: E402
+import run as cluster  # noqa: E402
+import shaping  # noqa: E402
+
+MODEL = ["--model", "small", "--seq", "64", "--batch", "16", "--steps", "3", "--warmup", "1"]
+
+
+def tune_in_namespaces(flags: list[str], out: pathlib.Path, timeout: float) -> dict:
+    """`zpp tune` as two processes, one per namespace; the provenance it
+    wrote with the winner (its rows, compiles and seconds)."""
+    procs = []
+    for i, ns in enumerate(cluster.NAMESPACES):
+        env = cluster.node_env(i)
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "zpp_jax", "tune", "--quiet"]
+        cmd += [*MODEL, *flags, "--out", str(out)]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    start = time.monotonic()
+    results = [p.communicate(timeout=timeout) for p in procs]
+    wall = time.monotonic() - start
+    for p, (_, err) in zip(procs, results, strict=True):
+        if p.returncode:
+            raise RuntimeError(f"zpp tune exited with {p.returncode}:\n{err[-3000:]}")
+    print(results[0][0], flush=True)
+    about = json.loads(out.read_text())["about"]
+    return {**about, "wall_s": wall}
+
+
+def one_rate(rate: str, work: pathlib.Path, timeout: float) -> dict:
+    for ns, link in zip(cluster.NAMESPACES, cluster.LINKS, strict=True):
+        cluster._in_ns(ns, *shaping.tc_command(link, rate))
+    gbps = shaping.rate_bits(rate) / 8e9
+    tuned = tune_in_namespaces(
+        ["--link", f"intra=100,inter={gbps:g}"], work / f"{rate}-tuned.json", timeout
+    )
+    full = tune_in_namespaces(["--budget", "100"], work / f"{rate}-full.json", timeout)
+    return {"rate": rate, "tuned": tuned, "full": full}
+
+
+def verdict(r: dict) -> dict:
+    """The chosen setting's step against the full sweep's fastest."""
+    full = {row["name"]: row for row in r["full"]["rows"] if row.get("step_s")}
+    best = min(full.values(), key=lambda row: row["step_s"])
+    chosen = r["tuned"]["setting"]
+    again = full.get(chosen, {}).get("step_s")
+    return {
+        "chosen": chosen,
+        "chosen_step_s": r["tuned"]["step_s"],
+        "chosen_step_in_sweep_s": again,
+        "best": best["name"],
+        "best_step_s": best["step_s"],
+        "vs_best": r["tuned"]["step_s"] / best["step_s"],
+        "vs_best_in_sweep": None if again is None else again / best["step_s"],
+    }
+
+
+def plot(results: list[dict], path: pathlib.Path) -> None:
+    fig, axes = pages.figure(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False)
+    for ax, r in zip(axes[0], results, strict=True):
+        rows = sorted((x for x in r["full"]["rows"] if x.get("step_s")), key=lambda x: x["step_s"])
+        chosen = r["tuned"]["setting"]
+        colors = ["C3" if x["name"] == chosen else "C0" for x in rows]
+        ax.barh([x["name"] for x in rows], [x["step_s"] for x in rows], color=colors)
+        ax.invert_yaxis()
+        ax.tick_params(axis="y", labelsize=6)
+        ax.set_xlabel("step, s (full sweep)")
+        ax.set_title(f"{r['rate']}: zpp tune chose {chosen} (red)", fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    pages.save(fig, path)
+
+
+def page(result: dict) -> str:
+    header = ["link", "zpp tune chose", "its step", "compiles", "wall time"]
+    header += ["full sweep's fastest", "its step", "compiles", "wall time", "chosen / fastest"]
+    rows = []
+    for r in result["rates"]:
+        v = r["verdict"]
+        again = v["vs_best_in_sweep"]
+        ratio = f"{v['vs_best']:.3f}" + (f" ({again:.3f} in the sweep)" if again else "")
+        rows.append(
+            [
+                r["rate"], v["chosen"], f"{v['chosen_step_s'] * 1e3:.0f} ms",
+                r["tuned"]["compiles"], f"{r['tuned']['wall_s']:.0f} s",
+                v["best"], f"{v['best_step_s'] * 1e3:.0f} ms",
+                r["full"]["compiles"], f"{r['full']['wall_s']:.0f} s", ratio,
+            ]
+        )  # fmt: skip
+    return (
+        "# zpp tune over a shaped link, against a full sweep\n\n"
+        f"Made by `{result['command']}` (as root). {pages.machine_line(result['machine'])}\n\n"
+        "Two `jax.distributed` processes in network namespaces joined by a veth pair shaped "
+        "at both ends (`benchmarks/cluster/`), 4 CPU devices each (a 2 x 4 mesh); "
+        f"`zpp tune {' '.join(MODEL)}`, run as a user would (told the link: "
+        "`--link intra=100,inter=RATE`, default budget) and as a full sweep (no link "
+        "given, so nothing is pruned, `--budget 100`). Steps are medians on this machine, "
+        'where the 8 devices share its cores; "chosen / fastest" is the chosen setting\'s '
+        "step over the full sweep's fastest (in brackets, with the chosen setting's step "
+        "as the sweep measured it). Data: [tune.json](tune.json).\n\n"
+        + pages.table(header, rows)
+        + "\n\n![every setting per link](tune.png)\n"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--rates", nargs="+", default=["200mbit", "1gbit", "10gbit"])
+    parser.add_argument("--timeout", type=float, default=3600)
+    args = parser.parse_args()
+    pages.prepare(args.out, "tune", args.overwrite)
+    if os.geteuid() != 0:
+        sys.exit("benchmarks/cluster/tune.py needs root (network namespaces and tc)")
+    results = []
+    try:
+        cluster.setup()
+        with tempfile.TemporaryDirectory() as tmp:
+            for rate in args.rates:
+                r = one_rate(rate, pathlib.Path(tmp), args.timeout)
+                r["verdict"] = verdict(r)
+                print(json.dumps(r["verdict"]), flush=True)
+                results.append(r)
+    finally:
+        cluster.cleanup()
+    result = {"command": pages.command(), "machine": pages.machine(), "rates": results}
+    pages.write_json(args.out, "tune", result)
+    plot(results, args.out / "tune.png")
+    pages.write_page(args.out, page(result))
+
+
+if __name__ == "__main__":
+    main()
