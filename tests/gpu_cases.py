@@ -45,8 +45,15 @@ def model(name):
 
 def trainer(name, config, mesh, unroll=True):
     abstract = nnx.eval_shape(lambda: model(name))
-    if config == "jit":
-        return zpp.baseline.JitFSDP(abstract, optax.adamw(1e-3), mesh, compute_dtype="bfloat16")
+    if config in ("jit", "jit_fsdp"):
+        constrain = config == "jit_fsdp"  # activations constrained to the batch axes
+        return zpp.baseline.JitFSDP(
+            abstract,
+            optax.adamw(1e-3),
+            mesh,
+            compute_dtype="bfloat16",
+            constrain_activations=constrain,
+        )
     config = CONFIGS[config].replace(unroll_layer_loops=unroll)
     return zpp.Trainer(abstract, optax.adamw(1e-3), mesh, config, compute_dtype="bfloat16")
 

@@ -290,3 +290,26 @@ def test_scheduled_program_names_every_collective():
     priced = re.findall(r'name: "([^"]+)"', profile)
     known = set(re.findall(r'scheduling_name="([^"]+)"', text))
     assert len(priced) == len(counted) and set(priced) <= known
+
+
+def test_the_constrained_jit_baseline_gathers_weights_on_the_target():
+    """`JitFSDP(constrain_activations=True)` compiled for the H200s moves
+    weights, not activations: all-gathers in bf16 and reductions, no
+    all-to-all and no permute."""
+    report = cases.report("gpt-125m", "jit_fsdp")
+    kinds = {c["kind"] for c in report["collectives"]}
+    assert "all-gather" in kinds and not kinds & {"all-to-all", "collective-permute"}, kinds
+    gathers = [c for c in report["collectives"] if c["kind"] == "all-gather"]
+    assert set(max(gathers, key=lambda c: c["bytes"])["dtypes"]) == {"bf16"}
+
+
+def test_tune_ranks_by_the_estimate_and_writes_the_winner(tmp_path, capsys):
+    out = tmp_path / "tuned.json"
+    args = ["tune", "--target", "h200", "--seq", "16", "--batch", "8", "--budget", "2"]
+    assert main([*args, "--quiet", "--link", "intra=400,inter=12.5", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "step (XLA's estimate)" in table and "not compiled: --budget spent" in table
+    about = json.loads(out.read_text())["about"]
+    measured = [r for r in about["rows"] if "step_s" in r]
+    assert len(measured) == 2 and about["step_s"] == min(r["step_s"] for r in measured)
+    assert all(r.get("grad_error", 1) < 1 for r in measured)
