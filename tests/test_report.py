@@ -54,3 +54,39 @@ def test_real_program(mesh24):
     assert kinds["all-gather"].group_size == 4 and not kinds["all-gather"].spans_nodes(4)
     assert kinds["all-reduce"].group_size == 2 and kinds["all-reduce"].spans_nodes(4)
     assert kinds["all-reduce"].result_bytes == 40 * 4
+
+
+def test_each_collective_names_its_unit(mesh24):
+    """A unit's call runs under its own named scope, so every collective of
+    its gathers and reductions, forward and backward, says which unit it
+    belongs to; `exposed_by_unit` groups them per unit and kind (on CPU
+    nothing runs behind a GEMM, so that is every one)."""
+    import optax
+    from flax import nnx
+
+    from zpp_jax import Trainer, ZeroPPConfig
+    from zpp_jax.analysis import step_report
+    from zpp_jax.analysis.report import exposed_by_unit, unit_of
+    from zpp_jax.models import GPT, GPTConfig
+
+    cfg = GPTConfig.preset("tiny", seq_len=16, dtype="float32")
+    trainer = Trainer(GPT(cfg, nnx.Rngs(0)), optax.adamw(1e-3), mesh24, ZeroPPConfig())
+    tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
+    report = step_report(trainer, {"inputs": tokens, "targets": tokens})
+    engine = [c for c in report["collectives"] if c["region"] in ("gather", "reduce")]
+    assert {c["unit"] for c in engine} == {"embed", "blocks", "head"}
+    assert {c["kind"] for c in report["collectives"] if not c["unit"]} == {"all-reduce"}
+    by_unit = exposed_by_unit(report["collectives"])
+    layers = cfg.n_layers  # the stack's loop runs each of its collectives once per layer
+    assert by_unit["blocks"] == {
+        "all-gather gather": 3 * layers,  # hpZ: node then local forward, local backward
+        "all-to-all reduce": layers,
+        "collective-permute reduce": layers,
+    }
+    assert by_unit["embed"] == {
+        "all-gather gather": 2,  # no backward gather: the embedding's gradient needs no weight
+        "all-to-all reduce": 1,
+        "collective-permute reduce": 1,
+    }
+    assert unit_of("jit(f)/transpose(jvp(zpp_unit[layers/3]))/shard_map/x") == "layers/3"
+    assert unit_of("jit(f)/reduce_sum") == ""

@@ -57,6 +57,7 @@ from zpp_jax.unit import (
     check_units,
     run_unit,
     unit_infos,
+    unit_scope,
     with_values,
     zero_residual,
 )
@@ -424,16 +425,17 @@ def _unit_call(self, *args, **kwargs):
         return out, new_rest, new_sown
 
     kinds = [_state_kind(var) for _, var in rest_items]
-    out, new_rest, new_sown = run_unit(
-        info,
-        [(p, var.get_value(), *stored[p]) for p, var in param_items],
-        [(var.get_value(), kind) for (_, var), kind in zip(rest_items, kinds, strict=True)],
-        feedback_items[0][1].get_value() if feedback_items else None,
-        args,
-        kwargs,
-        run,
-        call_operands(frozen_items),
-    )
+    with jax.named_scope(unit_scope(info.name)):
+        out, new_rest, new_sown = run_unit(
+            info,
+            [(p, var.get_value(), *stored[p]) for p, var in param_items],
+            [(var.get_value(), kind) for (_, var), kind in zip(rest_items, kinds, strict=True)],
+            feedback_items[0][1].get_value() if feedback_items else None,
+            args,
+            kwargs,
+            run,
+            call_operands(frozen_items),
+        )
     nnx.update(self, with_values(rest_items, new_rest))
     for name, value in new_sown.items():
         _merge_sown(self, info, *sown_types[name], value)

@@ -53,6 +53,13 @@ class UnitInfo:
     frozen: tuple[FrozenSpec, ...] = ()  # split frozen parameters, stored as codes
 
 
+def unit_scope(name: str) -> str:
+    """The `jax.named_scope` a unit's call runs under, so that the compiled
+    program's op names say which unit each collective belongs to (read back
+    by `zpp_jax.analysis.report.unit_of`)."""
+    return f"zpp_unit[{name}]"
+
+
 # The unit calls of the current `expect_units` block (None outside one).
 _UNIT_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "zpp_unit_calls", default=None

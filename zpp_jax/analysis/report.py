@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tempfile
 from pathlib import Path
 
@@ -99,6 +100,7 @@ def report_of(trainer, compiled, estimate) -> dict:
                 "behind": list(behind[c.name].behind) if c.name in behind else [],
                 "op": behind[c.name].op if c.name in behind else "",
                 "region": region(behind[c.name].op if c.name in behind else ""),
+                "unit": unit_of(behind[c.name].op if c.name in behind else ""),
                 "hideable": c.name not in behind or behind[c.name].hideable,
             }
             for c in summary.collectives
@@ -121,6 +123,32 @@ def state_bytes_per_device(state) -> int:
             )
             per_device[device.id] = per_device.get(device.id, 0) + size * leaf.dtype.itemsize
     return max(per_device.values(), default=0)
+
+
+_UNIT = re.compile(r"zpp_unit\[([^\]]*)\]")
+
+
+def unit_of(op: str) -> str:
+    """The unit an op belongs to, by the named scope its call ran under
+    (`zpp_jax.unit.unit_scope`); "" outside every unit (XLA's gathers of
+    parameters outside units, the optimizer's reductions)."""
+    found = _UNIT.search(op)
+    return found.group(1) if found else ""
+
+
+def exposed_by_unit(collectives: list[dict]) -> dict[str, dict[str, int]]:
+    """Runs per step behind no matrix multiply, per unit (its path; "" for
+    what no unit owns) and per "kind region" (``all-gather gather``,
+    ``all-to-all reduce``): where in the step the exposed communication
+    sits. Only meaningful for a GPU mesh's scheduled program."""
+    out: dict[str, dict[str, int]] = {}
+    for c in collectives:
+        if c["behind"]:
+            continue
+        key = f"{c['kind']} {c['region']}".strip()
+        by_kind = out.setdefault(c["unit"], {})
+        by_kind[key] = by_kind.get(key, 0) + c["runs"]
+    return out
 
 
 # The regions a sharded layer names (`jax.named_scope` in `zpp_jax.layer`).

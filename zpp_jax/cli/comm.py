@@ -29,6 +29,7 @@ import optax
 from flax import nnx
 
 from zpp_jax.analysis import step_report, target_mesh
+from zpp_jax.analysis.report import exposed_by_unit
 from zpp_jax.baseline import JitFSDP
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
@@ -193,6 +194,12 @@ def _print_schedule(reports: list[dict]) -> None:
     for r in reports:
         some = ", ".join(f"{k} {n}" for k, n in r["unhideable"].items() if n) or "none"
         print(f"  {r['name']:10s}{some}")
+    print("runs per step behind no GEMM, by unit (its path) and kind:")
+    for r in reports:
+        print(f"  {r['name']}:")
+        for unit, kinds in exposed_by_unit(r["collectives"]).items():
+            listed = ", ".join(f"{k} x{n}" for k, n in kinds.items())
+            print(f"    {unit or '(no unit)':24s}{listed}")
     for r in reports:
         print(f"\n{r['name']}: each collective, runs per step, and what it runs behind")
         for c in r["collectives"]:
