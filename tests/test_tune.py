@@ -106,6 +106,8 @@ def test_choose_takes_the_fastest_within_the_error_bound():
     assert choose(rows, 0.1)["name"] == "b"
     with pytest.raises(UsageError, match="--max-grad-error"):
         choose(rows, 0.001)
+    with pytest.raises(UsageError, match="raise --budget"):
+        choose(rows[2:], None)
 
 
 def test_config_file_round_trips_and_refuses_what_it_cannot_read(tmp_path):

@@ -267,6 +267,8 @@ def choose(rows: list[dict], max_grad_error: float | None) -> dict:
     """The fastest measured row whose gradient error is within
     `max_grad_error` (any, if None)."""
     measured = [r for r in rows if r.get("step_s") is not None]
+    if not measured:
+        raise UsageError("no candidate was measured: raise --budget")
     allowed = [
         r
         for r in measured
