@@ -35,7 +35,7 @@ from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.lora import FROZEN, add_lora
 from zpp_jax.mesh import make_mesh
-from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
+from zpp_jax.models import preset
 from zpp_jax.train import Trainer
 
 DEFAULT_CONFIGS = {
@@ -132,8 +132,7 @@ def _model(args):
     if args.seq is not None and args.seq < 1:
         raise UsageError(f"--seq must be a positive number of tokens, got {args.seq}")
     seq = {"seq_len": args.seq} if args.seq else {}
-    config_class, model_class = (GPTConfig, GPT) if args.arch == "gpt" else (LlamaConfig, Llama)
-    model = config_class.preset(args.model, **seq)
+    model, model_class = preset(args.arch, args.model, **seq)
 
     def build():
         made = model_class(model, nnx.Rngs(0))

@@ -40,7 +40,7 @@ from zpp_jax.data.examples import ExampleDataset
 from zpp_jax.data.tokenizer import bpe_size
 from zpp_jax.errors import INT32_MAX, UsageError
 from zpp_jax.mesh import make_mesh
-from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
+from zpp_jax.models import ARCHITECTURES, GPTConfig, Llama, LlamaConfig, preset
 from zpp_jax.pipeline.planner import folded
 from zpp_jax.preemption import Stopped, StopRequest
 from zpp_jax.recipes import corpus, runs
@@ -61,8 +61,7 @@ def model_config(cfg: RunConfig) -> GPTConfig | LlamaConfig:
         if seq_len is None:  # the checkpoint's default length, capped
             seq_len = min(llama_config(checkpoint).seq_len, INIT_SEQ)
         return llama_config(checkpoint, seq_len, cfg.compute_dtype)
-    config_class = GPTConfig if cfg.arch == "gpt" else LlamaConfig
-    model_cfg = config_class.preset(cfg.model, dtype=cfg.compute_dtype)
+    model_cfg, _ = preset(cfg.arch, cfg.model, dtype=cfg.compute_dtype)
     if cfg.vocab_size is not None:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=cfg.vocab_size)
     if cfg.seq_len is not None:
@@ -82,7 +81,7 @@ def make_model(cfg: RunConfig) -> nnx.Module:
 
 
 def model_class(cfg: RunConfig) -> type:
-    return Llama if cfg.init is not None or cfg.arch == "llama" else GPT
+    return Llama if cfg.init is not None else ARCHITECTURES[cfg.arch][1]
 
 
 def model_name(cfg: RunConfig) -> str:

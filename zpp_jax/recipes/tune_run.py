@@ -43,11 +43,10 @@ def model_builder(cfg: TuneConfig, arch_preset: str | None = None) -> tuple[Call
         if cfg.seq_len is None:
             raise UsageError("--entry needs --seq: the model's sequence length")
         return build, cfg.seq_len
-    from zpp_jax.models import GPT, GPTConfig, Llama, LlamaConfig
+    from zpp_jax.models import preset
 
-    config_class, model_class = (GPTConfig, GPT) if cfg.arch == "gpt" else (LlamaConfig, Llama)
     seq = {"seq_len": cfg.seq_len} if cfg.seq_len else {}
-    model = config_class.preset(arch_preset or cfg.model, **seq)
+    model, model_class = preset(cfg.arch, arch_preset or cfg.model, **seq)
     return (lambda: model_class(model, nnx.Rngs(0))), model.seq_len
 
 
