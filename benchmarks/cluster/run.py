@@ -98,10 +98,12 @@ MALLOC_ENV = {
 }
 
 
-def node_env(process_id: int, system_malloc: bool = False, processes: int = 2) -> dict[str, str]:
+def node_env(
+    process_id: int, system_malloc: bool = False, processes: int = 2, port: int = PORT
+) -> dict[str, str]:
     """The environment of node `process_id` of `processes`: this one without
     XLA_/JAX_ settings (each node sets its own devices), the coordinator of
-    the processes (none for one), 8 // processes CPU devices each, and
+    the processes on `port` (none for one), 8 // processes CPU devices each, and
     MALLOC_ENV unless `system_malloc` (a MALLOC_ variable set by the caller
     wins)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
@@ -110,7 +112,7 @@ def node_env(process_id: int, system_malloc: bool = False, processes: int = 2) -
     env.update(ZPP_LOCAL_CPU_DEVICES=str(8 // processes), TF_CPP_MIN_LOG_LEVEL="2")
     if processes > 1:
         env.update(
-            ZPP_COORDINATOR_ADDRESS=f"{ADDRESSES[0]}:{PORT}",
+            ZPP_COORDINATOR_ADDRESS=f"{ADDRESSES[0]}:{port}",
             ZPP_NUM_PROCESSES=str(processes),
             ZPP_PROCESS_ID=str(process_id),
         )
@@ -122,12 +124,16 @@ def parse_records(stdout: str) -> list[dict]:
     return [json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")]
 
 
-def run_nodes(node_args: list[str], timeout: float, system_malloc: bool = False) -> list[dict]:
-    """Run node.py in both namespaces; the records printed by process 0."""
+def run_nodes(
+    node_args: list[str], timeout: float, system_malloc: bool = False, port: int = PORT
+) -> list[dict]:
+    """Run node.py in both namespaces, their coordinator on `port` (a port
+    of its own per run: the last run's may still be held by the kernel);
+    the records printed by process 0."""
     procs = []
     try:
         for i, (ns, link) in enumerate(zip(NAMESPACES, LINKS, strict=True)):
-            env = node_env(i, system_malloc)
+            env = node_env(i, system_malloc, port=port)
             cmd = [
                 "ip",
                 "netns",
@@ -311,15 +317,21 @@ def main(argv=None) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupted)
+    failed = None
     try:
         setup()
-        for run_args in runs:
-            report(run_nodes([*run_args, "--rates", *rates], args.timeout, args.system_malloc))
+        for i, run_args in enumerate(runs):
+            node_args = [*run_args, "--rates", *rates]
+            report(run_nodes(node_args, args.timeout, args.system_malloc, PORT + i))
     except KeyboardInterrupt:
         print("interrupted; cleaning up", file=sys.stderr)
+    except RuntimeError as e:  # a node failed: keep what the others measured
+        failed = e
     finally:
         cleanup()
-    _finish(collected, args.out)
+    _finish(collected, args.out if failed is None else None)
+    if failed is not None:
+        sys.exit(f"stopped: {failed}")
 
 
 def _finish(records: list[dict], out: pathlib.Path | None) -> None:

@@ -40,12 +40,13 @@ import shaping  # noqa: E402
 MODEL = ["--model", "small", "--seq", "64", "--batch", "16", "--steps", "3", "--warmup", "1"]
 
 
-def tune_in_namespaces(flags: list[str], out: pathlib.Path, timeout: float) -> dict:
-    """`zpp tune` as two processes, one per namespace; the provenance it
-    wrote with the winner (its rows, compiles and seconds)."""
+def tune_in_namespaces(flags: list[str], out: pathlib.Path, timeout: float, port: int) -> dict:
+    """`zpp tune` as two processes, one per namespace, their coordinator on
+    `port`; the provenance it wrote with the winner (its rows, compiles and
+    seconds)."""
     procs = []
     for i, ns in enumerate(cluster.NAMESPACES):
-        env = cluster.node_env(i)
+        env = cluster.node_env(i, port=port)
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "zpp_jax", "tune", "--quiet"]
         cmd += [*MODEL, *flags, "--out", str(out)]
         procs.append(
@@ -64,14 +65,13 @@ def tune_in_namespaces(flags: list[str], out: pathlib.Path, timeout: float) -> d
     return {**about, "wall_s": wall}
 
 
-def one_rate(rate: str, work: pathlib.Path, timeout: float) -> dict:
+def one_rate(rate: str, work: pathlib.Path, timeout: float, port: int) -> dict:
     for ns, link in zip(cluster.NAMESPACES, cluster.LINKS, strict=True):
         cluster._in_ns(ns, *shaping.tc_command(link, rate))
     gbps = shaping.rate_bits(rate) / 8e9
-    tuned = tune_in_namespaces(
-        ["--link", f"intra=100,inter={gbps:g}"], work / f"{rate}-tuned.json", timeout
-    )
-    full = tune_in_namespaces(["--budget", "100"], work / f"{rate}-full.json", timeout)
+    link = ["--link", f"intra=100,inter={gbps:g}"]
+    tuned = tune_in_namespaces(link, work / f"{rate}-tuned.json", timeout, port)
+    full = tune_in_namespaces(["--budget", "100"], work / f"{rate}-full.json", timeout, port + 1)
     return {"rate": rate, "tuned": tuned, "full": full}
 
 
@@ -153,8 +153,8 @@ def main() -> None:
     try:
         cluster.setup()
         with tempfile.TemporaryDirectory() as tmp:
-            for rate in args.rates:
-                r = one_rate(rate, pathlib.Path(tmp), args.timeout)
+            for i, rate in enumerate(args.rates):
+                r = one_rate(rate, pathlib.Path(tmp), args.timeout, cluster.PORT + 2 * i)
                 r["verdict"] = verdict(r)
                 print(json.dumps(r["verdict"]), flush=True)
                 results.append(r)
