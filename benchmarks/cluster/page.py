@@ -67,6 +67,12 @@ def summary(records: list[dict]) -> list[str]:
     return lines
 
 
+def _bits(rate: str) -> float:
+    import shaping
+
+    return float("inf") if rate in ("unshaped", "no network") else shaping.rate_bits(rate)
+
+
 def _span(values: list[float], spec: str) -> str:
     low, high = format(min(values), spec), format(max(values), spec)
     return low if low == high else f"{low}-{high}"
@@ -78,9 +84,16 @@ def _bytes(r: dict) -> float:
 
 def plot(records: list[dict], path: pathlib.Path) -> None:
     cases = sorted({key(r) for r in records})
-    rates = list(dict.fromkeys(r.get("rate") or "no network" for r in records))
-    fig, axes = pages.figure(1, len(cases), figsize=(3.2 * len(cases), 3.4), squeeze=False)
-    for ax, case in zip(axes[0], cases, strict=True):
+    rates = sorted(
+        {r.get("rate") or "no network" for r in records},
+        key=lambda rate: -_bits(rate),  # the fastest link first
+    )
+    cols = min(len(cases), 3)
+    rows = -(-len(cases) // cols)
+    fig, axes = pages.figure(rows, cols, figsize=(3.6 * cols, 3.2 * rows), squeeze=False)
+    for ax in axes.flat[len(cases) :]:
+        ax.set_visible(False)
+    for ax, case in zip(axes.flat, cases, strict=False):
         for method, label in LABELS.items():
             steps = {
                 (r.get("rate") or "no network"): r["median_s"]
@@ -93,7 +106,8 @@ def plot(records: list[dict], path: pathlib.Path) -> None:
         ax.set_title(f"d_model {case[0]}, {case[1]} tokens/device", fontsize=9)
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("step, s (median)")
+    for row in axes:
+        row[0].set_ylabel("step, s (median)")
     axes[0][0].legend(fontsize=7)
     fig.suptitle("Two processes x 4 CPU devices over a shaped link", fontsize=10)
     pages.save(fig, path, titled=True)
@@ -129,7 +143,12 @@ def text(result: dict, table: str) -> str:
 def write(out: pathlib.Path, records: list[dict], table: str) -> None:
     result = {"command": pages.command(), "machine": pages.machine(), "records": records}
     pages.write_json(out, "two_nodes", result)
-    plot(records, out / "two_nodes.png")
+    render(out, result, table)
+
+
+def render(out: pathlib.Path, result: dict, table: str) -> None:
+    """The plot and the page of `result` (what `write` saved) in `out`."""
+    plot(result["records"], out / "two_nodes.png")
     pages.write_page(out, text(result, table))
 
 

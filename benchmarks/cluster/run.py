@@ -260,6 +260,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--overwrite", action="store_true", help="replace an earlier page in --out")
     p.add_argument(
+        "--render",
+        type=pathlib.Path,
+        default=None,
+        metavar="DIR",
+        help="only write DIR's page and plot again from its two_nodes.json (measures nothing)",
+    )
+    p.add_argument(
         "--system-malloc",
         action="store_true",
         help="keep glibc's default mmap and trim thresholds in the nodes (see MALLOC_ENV)",
@@ -269,6 +276,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args, node_args = _parser().parse_known_args(argv)
+    if args.render:
+        made = json.loads((args.render / "two_nodes.json").read_text())
+        page.render(args.render, made, table(made["records"]))
+        return
     if args.out:
         page.prepare(args.out, args.overwrite)
     rates = args.rates or ([*SWEEP_RATES, "unshaped"] if args.sweep else ["1gbit"])
