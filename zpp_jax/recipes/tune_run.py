@@ -33,7 +33,8 @@ from zpp_jax.recipes.tune import (
 
 def model_builder(cfg: TuneConfig, arch_preset: str | None = None) -> tuple[Callable, int]:
     """(A function that builds the model, its sequence length). `arch_preset`
-    replaces `cfg.model` (the GPU target's numerics run on ``tiny``)."""
+    replaces `cfg.model` and its length (the GPU target's numerics run on
+    ``tiny``)."""
     if cfg.entry is not None and arch_preset is None:
         module, _, function = cfg.entry.partition(":")
         try:
@@ -45,7 +46,8 @@ def model_builder(cfg: TuneConfig, arch_preset: str | None = None) -> tuple[Call
         return build, cfg.seq_len
     from zpp_jax.models import preset
 
-    seq = {"seq_len": cfg.seq_len} if cfg.seq_len else {}
+    # The tiny stand-in keeps its own length: it measures numerics, not speed.
+    seq = {"seq_len": cfg.seq_len} if cfg.seq_len and arch_preset is None else {}
     model, model_class = preset(cfg.arch, arch_preset or cfg.model, **seq)
     return (lambda: model_class(model, nnx.Rngs(0))), model.seq_len
 
