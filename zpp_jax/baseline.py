@@ -56,7 +56,7 @@ def _constrain_to_batch(tree, mesh: Mesh):
     """`tree` with every array of two or more dimensions whose leading one
     the mesh's device count divides constrained to that axis over every
     device, its other dimensions whole; other leaves as they are."""
-    sharding = NamedSharding(mesh, P(AXES))
+    sharding = batch_sharding(mesh)
 
     def one(x):
         if isinstance(x, jax.Array) and x.ndim >= 2 and x.shape[0] % mesh.size == 0:

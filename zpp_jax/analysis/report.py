@@ -87,24 +87,28 @@ def report_of(trainer, compiled, estimate) -> dict:
         "unhideable": unhideable_by_kind(list(behind.values())),
         "estimate": None if estimate is None else dataclasses.asdict(estimate),
         "estimate_withheld": withheld,
-        "collectives": [
-            {
-                "kind": c.kind,
-                "dtypes": list(c.dtypes),
-                "bytes": c.result_bytes,
-                "moved_bytes": c.moved_bytes,
-                "replica_groups": [list(g) for g in c.groups],
-                "runs": c.runs,
-                "spans_nodes": c.spans_nodes(local),
-                "async": c.name in behind and behind[c.name].is_async,
-                "behind": list(behind[c.name].behind) if c.name in behind else [],
-                "op": behind[c.name].op if c.name in behind else "",
-                "region": region(behind[c.name].op if c.name in behind else ""),
-                "unit": unit_of(behind[c.name].op if c.name in behind else ""),
-                "hideable": c.name not in behind or behind[c.name].hideable,
-            }
-            for c in summary.collectives
-        ],
+        "collectives": [_entry(c, behind.get(c.name), local) for c in summary.collectives],
+    }
+
+
+def _entry(c, scheduled, local: int) -> dict:
+    """One collective of `step_report`, with what the schedule says of it
+    (`scheduled`: its `Scheduled`, or None where nothing is scheduled)."""
+    op = scheduled.op if scheduled is not None else ""
+    return {
+        "kind": c.kind,
+        "dtypes": list(c.dtypes),
+        "bytes": c.result_bytes,
+        "moved_bytes": c.moved_bytes,
+        "replica_groups": [list(g) for g in c.groups],
+        "runs": c.runs,
+        "spans_nodes": c.spans_nodes(local),
+        "async": scheduled is not None and scheduled.is_async,
+        "behind": list(scheduled.behind) if scheduled is not None else [],
+        "op": op,
+        "region": region(op),
+        "unit": unit_of(op),
+        "hideable": scheduled is None or scheduled.hideable,
     }
 
 

@@ -169,13 +169,18 @@ def _run_config(args) -> tuple[RunConfig, dict]:
 def _comm(args) -> int:
     if args.target == "cpu":
         _use_emulated_devices(args.nodes * args.local)
-    elif "jax" not in sys.modules:
-        # The CUDA plugin cannot start without a GPU; its compile-only
-        # client needs none.
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    else:
+        _compile_only()
     from zpp_jax.cli.comm import run_comm
 
     return run_comm(args)
+
+
+def _compile_only() -> None:
+    """Compiling for a GPU target: the CUDA plugin cannot start without a
+    GPU, and its compile-only client needs none, so JAX runs on CPU."""
+    if "jax" not in sys.modules:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def _launch(args) -> int:
@@ -536,8 +541,7 @@ def _tune(args) -> int:
     if cfg.target == "cpu":
         nodes, local = _join_job(args.command, cfg, given)
     else:
-        if "jax" not in sys.modules:
-            os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only: no GPU needed
+        _compile_only()
         nodes, local = cfg.nodes, cfg.local
         _use_emulated_devices(nodes * local)  # the numerics run on CPU devices
     from zpp_jax.recipes.tune_run import run_tune_command
