@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import jax
@@ -117,6 +118,20 @@ def test_cli_json(capsys):
     ]
 
 
+@pytest.mark.slow  # compiles two steps
+def test_cli_layers_changes_the_depth_not_the_widths(capsys):
+    """``--layers`` compiles the preset at another depth: one more layer of
+    the tiny GPT adds exactly one layer's parameters (12 d^2 + 13 d, d = 64),
+    and the header names the depth."""
+    counts = []
+    for layers in (2, 3):
+        assert main(["comm", "--configs", "zero3", "--seq", "16", "--layers", str(layers)]) == 0
+        header = capsys.readouterr().out.splitlines()[0]
+        assert header.startswith(f"gpt tiny, {layers} layers (")
+        counts.append(int(header.split("(")[1].split(" ")[0].replace(",", "")))
+    assert counts[1] - counts[0] == 12 * 64 * 64 + 13 * 64
+
+
 _SCHEDULED = """\
 HloModule m, is_scheduled=true
 
@@ -197,39 +212,86 @@ def test_schedule_overlap_reads_what_runs_behind_each_collective():
 
 
 # The end of a schedule dump (``xla_dump_latency_hiding_schedule``) as
-# XLA writes it: statistics in scheduler cycles, zeros left out.
-_SCHEDULE_DUMP = """\
-  instructions {
-    id: 25769803779
-    start_timestamp_cycles: 19.992
-    end_timestamp_cycles: 19.992
-  }
-  scheduler_statistics {
-    all_to_all_wasted_cycles: 30
-    collective_permute_wasted_cycles: 10.5
-    total_wasted_cycles: 40.5
-    total_cycles: 400
-    memory_pressure_peak: 4194304
-  }
-  cycles_per_microsecond: 2
-}
-"""
+# A schedule dump as XLA writes it (protobuf text): the HLO module's
+# instructions, then the schedule with each instruction's time in cycles (2
+# per microsecond), then statistics, which are of the order *before*
+# scheduling and must be ignored.
+_AG_OP = "jit(step)/jvp(zpp_unit[layers/0])/shard_map/zpp_gather/all_gather"
+_A2A_OP = "jit(step)/transpose(zpp_unit[layers/1])/shard_map/zpp_reduce/all_to_all"
 
 
-def test_schedule_estimate_reads_the_schedulers_statistics():
+def _dump_instruction(ident, name, opcode, operand=None, op_name=None):
+    meta = f'      metadata {{\n        op_name: "{op_name}"\n      }}\n' if op_name else ""
+    operand = f"      operand_ids: {operand}\n" if operand else ""
+    return (
+        f'    instructions {{\n      name: "{name}"\n      opcode: "{opcode}"\n'
+        f"{meta}      id: {ident}\n{operand}    }}\n"
+    )
+
+
+def _timed(ident, start, end):
+    return (
+        f"  instructions {{\n    id: {ident}\n    start_timestamp_cycles: {start}\n"
+        f"    end_timestamp_cycles: {end}\n  }}\n"
+    )
+
+
+_SCHEDULE_DUMP = (
+    'hlo_module {\n  computations {\n    name: "main"\n'
+    + _dump_instruction(1, "p", "parameter")
+    + _dump_instruction(2, "all-gather-start", "all-gather-start", 1, _AG_OP)
+    + _dump_instruction(3, "fusion.1", "fusion", 1)
+    + _dump_instruction(4, "all-gather-done", "all-gather-done", 2, _AG_OP)
+    + _dump_instruction(5, "all-to-all-start.1", "async-start", 3, _A2A_OP)
+    + _dump_instruction(6, "all-to-all-done.1", "async-done", 5, _A2A_OP)
+    + _dump_instruction(7, "fusion.2", "fusion", 6)
+    + "  }\n}\ncomputation_schedules {\n  computation_id: 1\n"
+    + _timed(1, 0, 0)
+    + _timed(2, 0, 2)
+    + _timed(3, 2, 62)
+    + _timed(4, 62, 64)
+    + _timed(5, 64, 66)
+    + _timed(6, 66, 68)
+    + _timed(7, 148, 168)
+    + "  scheduler_statistics {\n    all_gather_wasted_cycles: 40\n"
+    "    total_cycles: 500\n  }\n  cycles_per_microsecond: 2\n}\n"
+)
+_LATENCY_US = {"all-gather-start": 20.0, "all-to-all-start.1": 40.0}
+
+
+def test_schedule_estimate_walks_the_schedule_xla_made():
+    """The all-gather's 20 us (40 cycles) run behind the 60-cycle fusion:
+    none exposed. The all-to-all's 40 us have 2 cycles of cover, so 78
+    cycles (39 us) are exposed, and the step is (2+60+2+2+2+78+20)/2 us.
+    The dump's own statistics (of the order before scheduling) are not
+    read."""
     from zpp_jax.analysis import schedule_estimate
+    from zpp_jax.analysis.report import exposed_time_by_unit
 
-    est = schedule_estimate(_SCHEDULE_DUMP)
-    assert est.step_us == 200.0  # 400 cycles at 2 per microsecond
+    est = schedule_estimate(_SCHEDULE_DUMP, _LATENCY_US)
+    assert est.step_us == 83.0
     assert est.exposed_us == {
         "all-gather": 0.0,
-        "all-to-all": 15.0,
+        "all-to-all": 39.0,
         "reduce-scatter": 0.0,
         "all-reduce": 0.0,
-        "collective-permute": 5.25,
+        "collective-permute": 0.0,
     }
-    assert est.exposed_total_us == 20.25
-    assert schedule_estimate(_SCHEDULED) is None  # an HLO text, no statistics
+    assert est.exposed_total_us == 39.0
+    assert est.exposed_by_op == {_AG_OP: {"all-gather": 0.0}, _A2A_OP: {"all-to-all": 39.0}}
+    by_unit = exposed_time_by_unit(dataclasses.asdict(est))
+    assert by_unit == {"layers/1": {"all-to-all reduce": 39.0}}
+    # A longer latency is exposed by exactly the difference.
+    longer = schedule_estimate(_SCHEDULE_DUMP, {**_LATENCY_US, "all-gather-start": 40.0})
+    assert longer.exposed_us["all-gather"] == 9.0  # 80 cycles - 62 of cover, at 2 per us
+    assert longer.step_us == 92.0
+
+
+def test_schedule_estimate_needs_every_collectives_latency_and_a_schedule():
+    from zpp_jax.analysis import schedule_estimate
+
+    assert schedule_estimate(_SCHEDULE_DUMP, {"all-gather-start": 20.0}) is None
+    assert schedule_estimate(_SCHEDULED, _LATENCY_US) is None  # an HLO text, no schedule
 
 
 @pytest.mark.parametrize(

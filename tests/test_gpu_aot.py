@@ -313,3 +313,39 @@ def test_tune_ranks_by_the_estimate_and_writes_the_winner(tmp_path, capsys):
     measured = [r for r in about["rows"] if "step_s" in r]
     assert len(measured) == 2 and about["step_s"] == min(r["step_s"] for r in measured)
     assert all(r.get("grad_error", 1) < 1 for r in measured)
+
+
+_AFTER_SCHEDULING = re.compile(
+    r"Statistics after scheduling:.*?Total wasted cycles: ([\d.e+]+).*?Total cycles: ([\d.e+]+)",
+    re.S,
+)
+
+
+def test_the_estimate_is_xlas_statistics_of_the_schedule_it_made():
+    """`ScheduleEstimate` walks the schedule XLA made, as XLA's scheduler
+    statistics after scheduling do (which it logs, but does not dump: the
+    dump's statistics are of the order before scheduling). The step and its
+    exposed time equal those XLA logs for the same compile, to a cycle per
+    collective."""
+    import subprocess
+    import sys
+
+    script = (
+        "import json, gpu_cases as c\n"
+        "r = c.report('gpt-12-layers', 'zero3')['estimate']\n"
+        "print(json.dumps([r['step_us'], sum(r['exposed_us'].values())]))\n"
+    )
+    env = {
+        **os.environ,
+        "TF_CPP_MIN_LOG_LEVEL": "0",
+        "TF_CPP_VMODULE": "latency_hiding_scheduler=1",
+        "PYTHONPATH": str(pathlib.Path(__file__).resolve().parent),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    step_us, exposed_us = json.loads(done.stdout.strip().splitlines()[-1])
+    # The last log is the compile scheduled with the link model's prices.
+    wasted, total = map(float, _AFTER_SCHEDULING.findall(done.stderr)[-1])
+    assert step_us == pytest.approx(total, abs=100)
+    assert exposed_us == pytest.approx(wasted, abs=100)

@@ -18,16 +18,23 @@ from zpp_jax.analysis.hlo import collectives_in_hlo, scheduling_names
 from zpp_jax.overlap import LinkModel
 
 
+def collective_latencies_us(hlo_text: str, local: int, links: LinkModel) -> dict[str, float]:
+    """The microseconds `links` gives each asynchronous collective of
+    `hlo_text` (a program compiled for a mesh with `local` devices per
+    node), by the name XLA's scheduler knows it by."""
+    names = scheduling_names(hlo_text)
+    return {
+        names.get(c.name, c.name): links.cost_us(c.moved_bytes, c.spans_nodes(local))
+        for c in collectives_in_hlo(hlo_text)
+    }
+
+
 def collective_costs(hlo_text: str, local: int, links: LinkModel) -> str:
     """A latency profile (XLA's ``ProfiledInstructionsProto``, text format)
-    with the cost `links` gives each asynchronous collective of `hlo_text`
-    (a program compiled for a mesh with `local` devices per node), under
-    the names XLA's scheduler knows it by; nothing else is priced."""
-    names = scheduling_names(hlo_text)
-    lines = []
-    for c in collectives_in_hlo(hlo_text):
-        cost = links.cost_us(c.moved_bytes, c.spans_nodes(local))
-        lines.append(f'costs {{ name: "{names.get(c.name, c.name)}" cost_us: {cost:.3f} }}')
+    pricing each asynchronous collective of `hlo_text` as
+    `collective_latencies_us` does; nothing else is priced."""
+    latencies = collective_latencies_us(hlo_text, local, links)
+    lines = [f'costs {{ name: "{name}" cost_us: {us:.3f} }}' for name, us in latencies.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 
 from zpp_jax.analysis.hlo import has_loop, summarize
+from zpp_jax.analysis.links import collective_latencies_us
 from zpp_jax.analysis.schedule import (
     overlap_by_kind,
     read_estimate,
@@ -34,11 +35,12 @@ def step_report(trainer, batch: dict) -> dict:
     the matrix multiplies it is scheduled behind (`schedule_overlap`; none
     on CPU, whose collectives are synchronous) and whether any could be
     (`Scheduled.hideable`; those that cannot, per kind, under
-    "unhideable"). On a GPU mesh, "estimate" is the scheduler's own
-    estimate of the step and of the communication it left exposed
-    (`ScheduleEstimate`); None elsewhere, and None, with the reason in
-    "estimate_withheld", for a program with a loop: the scheduler's
-    statistics count a loop's body once, not once per iteration. The
+    "unhideable"). On a GPU mesh, "estimate" is the scheduler's cost
+    model applied to the schedule it made: the step and the communication
+    it left exposed (`ScheduleEstimate`); None elsewhere, and None, with
+    the reason in "estimate_withheld", for a program with a loop (its body
+    would count once, not once per iteration) or a trainer without a link
+    model (``links=None``: XLA priced the collectives itself). The
     trainer may be abstract (built on an ``nnx.eval_shape`` model, for a
     compile-only mesh); any `zpp_jax.program.TrainingProgram` will do (`zpp_jax.baseline.JitFSDP`,
     `zpp_jax.pipeline.PipelineTrainer`)."""
@@ -47,9 +49,10 @@ def step_report(trainer, batch: dict) -> dict:
 
 def compile_with_estimate(trainer, batch: dict) -> tuple:
     """(`trainer.train_step` compiled for `batch`, XLA's `ScheduleEstimate`
-    of it on a GPU mesh, else None). The compiled program runs as the step
-    does (on devices that can run it), so one compile can be both timed
-    and reported (`report_of`)."""
+    of it on a GPU mesh whose collectives the trainer prices (its
+    ``links``), else None). The compiled program runs as the step does (on
+    devices that can run it), so one compile can be both timed and
+    reported (`report_of`)."""
     if not schedules_overlap(trainer.mesh):
         return trainer.compile_step(batch), None
     with tempfile.TemporaryDirectory() as dump:
@@ -59,7 +62,11 @@ def compile_with_estimate(trainer, batch: dict) -> tuple:
             "xla_dump_latency_hiding_schedule": True,
         }
         compiled = trainer.compile_step(batch, options)
-        return compiled, read_estimate(Path(dump))
+        if trainer.links is None:
+            return compiled, None
+        _, local = mesh_shape(trainer.mesh)
+        latencies = collective_latencies_us(compiled.as_text(), local, trainer.links)
+        return compiled, read_estimate(Path(dump), latencies)
 
 
 def report_of(trainer, compiled, estimate) -> dict:
@@ -68,7 +75,10 @@ def report_of(trainer, compiled, estimate) -> dict:
     text = compiled.as_text()
     withheld = None
     if estimate is not None and has_loop(text):
-        estimate, withheld = None, "the program has a loop, whose body XLA's statistics count once"
+        estimate = None
+        withheld = "the program has a loop, whose body the estimate would count once"
+    elif estimate is None and schedules_overlap(trainer.mesh) and trainer.links is None:
+        withheld = "no link model (links=None): the collectives' times are XLA's own, unrecorded"
     summary = summarize(text, local)
     behind = {s.name: s for s in schedule_overlap(text)}
     ma = compiled.memory_analysis()
@@ -153,6 +163,22 @@ def exposed_by_unit(collectives: list[dict]) -> dict[str, dict[str, int]]:
         by_kind = out.setdefault(c["unit"], {})
         by_kind[key] = by_kind.get(key, 0) + c["runs"]
     return out
+
+
+def exposed_time_by_unit(estimate: dict) -> dict[str, dict[str, float]]:
+    """Microseconds of exposed communication in a step report's
+    ``estimate`` (`ScheduleEstimate.exposed_by_op`), per unit (its path; ""
+    for what no unit owns) and per "kind region", largest first: where
+    the step waits on the wire."""
+    out: dict[str, dict[str, float]] = {}
+    for op, kinds in estimate["exposed_by_op"].items():
+        for kind, us in kinds.items():
+            if us <= 0:
+                continue
+            key = f"{kind} {region(op)}".strip()
+            by_kind = out.setdefault(unit_of(op), {})
+            by_kind[key] = by_kind.get(key, 0.0) + us
+    return dict(sorted(out.items(), key=lambda kv: -sum(kv[1].values())))
 
 
 # The regions a sharded layer names (`jax.named_scope` in `zpp_jax.layer`).

@@ -192,56 +192,122 @@ def unhideable_by_kind(scheduled: list[Scheduled]) -> dict[str, int]:
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleEstimate:
-    """XLA:GPU's latency-hiding scheduler's own estimate of the step it
-    scheduled, from its cost model (kernel and collective times it derives
-    from the target's description, and a fixed cost for a kernel it cannot
-    model, such as a Pallas call; no measurement): `step_us`, the step's
-    time, and `exposed_us`, per collective kind, the time the step waits on
-    communication that no compute scheduled while it is in flight covers.
+    """XLA:GPU's latency-hiding scheduler's cost model applied to the step it
+    scheduled: `step_us`, the step's time, and `exposed_us`, per collective
+    kind, the time the step waits on communication that the kernels
+    scheduled while it is in flight do not cover; `exposed_by_op`, the same
+    per op name (what the program was doing: a unit's scope, its gather or
+    reduction) and kind, summed over the collectives that share them.
 
-    Only for a program without loops: the statistics count a loop's body
-    once (`step_report` withholds them then).
+    The kernels' times are the scheduler's (derived from the target's
+    description; a flat cost for a kernel it cannot model, such as a Pallas
+    call), and each collective's is the price it was scheduled with (the
+    link model, `zpp_jax.analysis.links`): nothing was run.
+
+    Only for a program without loops: a loop's body would count once.
 
     This counts what "behind a GEMM" (`Scheduled`) cannot: a collective
     behind one short GEMM is exposed for the rest of its time, and one
     behind other kernels (quantization, error feedback) is covered
-    without any GEMM. Both are the model's view of a program it has not
-    run: kernel times without autotuning, links at the description's speed.
+    without any GEMM.
     """
 
     step_us: float
     exposed_us: dict[str, float]
+    exposed_by_op: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
     @property
     def exposed_total_us(self) -> float:
         return sum(self.exposed_us.values())
 
 
-_WASTED = re.compile(r"^\s*(?P<kind>\w+?)_wasted_cycles:\s*(?P<value>[\d.eE+-]+)", re.M)
+def schedule_estimate(schedule_text: str, latency_us: dict[str, float]) -> ScheduleEstimate | None:
+    """The `ScheduleEstimate` of the schedule in a schedule dump (the
+    ``*.schedule.txt`` that ``xla_dump_latency_hiding_schedule`` writes),
+    with `latency_us` the time each asynchronous collective takes, by the
+    name XLA's scheduler knows its start by (the latency profile it was
+    given: `zpp_jax.analysis.links.collective_latencies_us`).
 
-
-def schedule_estimate(schedule_text: str) -> ScheduleEstimate | None:
-    """The `ScheduleEstimate` in a schedule dump (the ``*.schedule.txt``
-    that ``xla_dump_latency_hiding_schedule`` writes); None when it has no
-    scheduler statistics. Every collective kind is listed, 0 when none of
-    it is exposed (the dump leaves zeros out)."""
-    _, found, stats = schedule_text.rpartition("scheduler_statistics {")
-    stats = stats.split("}", 1)[0]
-    total = re.search(r"total_cycles:\s*([\d.eE+-]+)", stats)
-    if not found or total is None:
+    The schedule is walked in order as XLA's scheduler statistics walk
+    it: each instruction adds its cost; a collective's done adds what its
+    latency leaves uncovered by the costs since its start. (The statistics
+    the dump itself carries are of the order before scheduling, every
+    collective next to its own done, so they count nearly all communication
+    as exposed.) None when the dump holds no timed schedule, or a
+    collective has no latency in `latency_us`."""
+    instructions, schedules, per_us = _read_dump(schedule_text)
+    if not schedules:
         return None
-    rate = re.search(r"cycles_per_microsecond:\s*([\d.eE+-]+)", schedule_text)
-    per_us = float(rate.group(1)) if rate else 1.0
-    wasted = {
-        m.group("kind").replace("_", "-"): float(m.group("value")) for m in _WASTED.finditer(stats)
-    }
-    exposed = {kind: wasted.get(kind, 0.0) / per_us for kind in KINDS}
-    return ScheduleEstimate(float(total.group(1)) / per_us, exposed)
+    order = max(schedules, key=len)
+    now, started = 0.0, {}
+    exposed = dict.fromkeys(KINDS, 0.0)
+    by_op: dict[str, dict[str, float]] = {}
+    for ident, cost in order:
+        info = instructions.get(ident, {})
+        now += cost
+        if _started_kind(info):
+            started[ident] = int(now)  # XLA's statistics keep whole cycles
+        elif info.get("opcode", "").endswith("-done") and info.get("operand") in started:
+            start = instructions[info["operand"]]
+            latency = latency_us.get(start["name"])
+            if latency is None:
+                return None
+            wasted = max(0.0, latency * per_us - (now - started[info["operand"]]))
+            now += wasted
+            exposed[_started_kind(start)] += wasted / per_us
+            kinds = by_op.setdefault(start.get("op_name", ""), {})
+            kinds[_started_kind(start)] = kinds.get(_started_kind(start), 0.0) + wasted / per_us
+    return ScheduleEstimate(now / per_us, exposed, by_op)
 
 
-def read_estimate(dump: Path) -> ScheduleEstimate | None:
-    """The estimate of the step dumped in `dump`: of the longest module, if
-    XLA compiled more than the step into it."""
+def _started_kind(info: dict) -> str | None:
+    """The collective kind an instruction starts (an all-to-all starts as a
+    generic ``async-start`` named after it), else None."""
+    opcode, name = info.get("opcode", ""), info.get("name", "")
+    for kind in KINDS:
+        if opcode == f"{kind}-start" or (opcode == "async-start" and name.startswith(kind)):
+            return kind
+    return None
+
+
+def _read_dump(text: str) -> tuple[dict[int, dict], list[list[tuple[int, float]]], float]:
+    """(Instructions by id: name, opcode, op name, first operand; each
+    computation's schedule as (id, cost in cycles) in order; cycles per
+    microsecond) of a schedule dump in protobuf text format."""
+    instructions: dict[int, dict] = {}
+    schedules: list[list[tuple[int, float]]] = []
+    per_us, current, timed = 1.0, None, None
+    for line in text.splitlines():
+        if line == "    instructions {":  # an instruction of the HLO module
+            current = {}
+        elif line.startswith("      ") and current is not None and not line.startswith("       "):
+            key, _, value = line.strip().partition(": ")
+            if key in ("name", "opcode"):
+                current[key] = value.strip('"')
+            elif key == "id":
+                instructions[int(value)] = current
+            elif key == "operand_ids" and "operand" not in current:
+                current["operand"] = int(value)
+        elif line.startswith("        op_name: ") and current is not None:
+            current.setdefault("op_name", line.split(": ", 1)[1][1:-1])
+        elif line.startswith("computation_schedules"):
+            current, timed = None, []
+            schedules.append(timed)
+        elif timed is not None and line.startswith("    id: "):
+            timed.append([int(line[8:]), 0.0, 0.0])
+        elif timed is not None and line.startswith("    start_timestamp_cycles: "):
+            timed[-1][1] = float(line.split(": ")[1])
+        elif timed is not None and line.startswith("    end_timestamp_cycles: "):
+            timed[-1][2] = float(line.split(": ")[1])
+        elif line.startswith("  cycles_per_microsecond: "):
+            per_us = float(line.split(": ")[1]) or 1.0
+    timed_schedules = [[(i, e - s) for i, s, e in sched] for sched in schedules]
+    return instructions, timed_schedules, per_us
+
+
+def read_estimate(dump: Path, latency_us: dict[str, float]) -> ScheduleEstimate | None:
+    """The estimate of the step dumped in `dump` (`schedule_estimate`): of
+    the longest module, if XLA compiled more than the step into it."""
     files = sorted(dump.glob("*.schedule.txt"))
-    estimates = [e for e in (schedule_estimate(f.read_text()) for f in files) if e is not None]
-    return max(estimates, key=lambda e: e.step_us, default=None)
+    estimates = [schedule_estimate(f.read_text(), latency_us) for f in files]
+    return max((e for e in estimates if e is not None), key=lambda e: e.step_us, default=None)

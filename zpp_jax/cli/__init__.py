@@ -273,6 +273,12 @@ def _comm_parser(sub) -> None:
         help="dtype the gathered weights are cast to (e.g. bfloat16); default: the model's",
     )
     comm.add_argument("--seq", type=count(why="tokens"), default=None)
+    comm.add_argument(
+        "--layers",
+        type=count(why="layers"),
+        default=None,
+        help="number of layers (default: the preset's): the same widths, deeper or shallower",
+    )
     comm.add_argument("--nodes", type=count(), default=2)
     comm.add_argument("--local", type=count(), default=4)
     comm.add_argument("--batch", type=count(), default=16, help="global batch (sequences)")

@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 
 from zpp_jax.analysis import step_report, target_mesh
-from zpp_jax.analysis.report import exposed_by_unit
+from zpp_jax.analysis.report import exposed_by_unit, exposed_time_by_unit
 from zpp_jax.baseline import JitFSDP
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
@@ -131,8 +131,10 @@ def _model(args):
     """(The model's config, a function that builds it) for `args`."""
     if args.seq is not None and args.seq < 1:
         raise UsageError(f"--seq must be a positive number of tokens, got {args.seq}")
-    seq = {"seq_len": args.seq} if args.seq else {}
-    model, model_class = preset(args.arch, args.model, **seq)
+    overrides = {"seq_len": args.seq} if args.seq else {}
+    if args.layers:
+        overrides["n_layers"] = args.layers
+    model, model_class = preset(args.arch, args.model, **overrides)
 
     def build():
         made = model_class(model, nnx.Rngs(0))
@@ -147,8 +149,9 @@ def _print_table(args, model, build, reports: list[dict]) -> None:
     lora = ""
     if args.lora is not None:
         lora = f", LoRA of rank {args.lora} over a base of {args.frozen_bits or 'own-dtype'} bits"
+    layers = f", {model.n_layers} layers" if args.layers else ""
     print(
-        f"{args.arch} {args.model} ({params:,} parameters{lora}) on {args.target}, mesh "
+        f"{args.arch} {args.model}{layers} ({params:,} parameters{lora}) on {args.target}, mesh "
         f"{args.nodes} x {args.local}, batch {args.batch} x {model.seq_len}; per device per step:"
     )
     print(
@@ -171,8 +174,9 @@ def _print_schedule(reports: list[dict]) -> None:
     """A GPU target's schedule: XLA's estimate, what no schedule can hide,
     and what each collective runs behind."""
     print(
-        "XLA's estimate of the step (its scheduler's cost model, not a measurement): "
-        "step time, and communication time that no compute covers:"
+        "XLA's estimate of the step (its scheduler's cost model on the schedule it made, "
+        "collectives priced on the link model; not a measurement): step time, and "
+        "communication time that no compute covers:"
     )
     for r in reports:
         est = r["estimate"]
@@ -193,6 +197,14 @@ def _print_schedule(reports: list[dict]) -> None:
     for r in reports:
         some = ", ".join(f"{k} {n}" for k, n in r["unhideable"].items() if n) or "none"
         print(f"  {r['name']:10s}{some}")
+    print("exposed communication (the estimate), ms, by unit (its path) and kind:")
+    for r in reports:
+        if r["estimate"] is None:
+            continue
+        print(f"  {r['name']}:")
+        for unit, kinds in list(exposed_time_by_unit(r["estimate"]).items())[:12]:
+            listed = ", ".join(f"{k} {us / 1e3:.2f}" for k, us in kinds.items())
+            print(f"    {unit or '(no unit)':24s}{listed}")
     print("runs per step behind no GEMM, by unit (its path) and kind:")
     for r in reports:
         print(f"  {r['name']}:")

@@ -81,7 +81,7 @@ class TuneConfig:
     )
     out: str = option("zpp_tuned.json", "write the winner's ZeroPPConfig here")
     overwrite: bool = option(False, "replace --out if it exists")
-    progress: bool = option(True, "a progress bar on stderr", name="--quiet", negate=True)
+    progress: bool = option(True, "no progress bar on stderr", name="--quiet", negate=True)
 
     def __post_init__(self) -> None:
         check_flags(self)
