@@ -21,10 +21,21 @@ import sys
 
 import pages
 
-MODELS = {  # name: zpp comm flags
-    "GPT 125m": ["--arch", "gpt", "--model", "125m", "--seq", "1024", "--batch", "8"],
-    "Llama 7B": ["--arch", "llama", "--model", "7b", "--seq", "2048", "--batch", "8"],
+GPT = ["--arch", "gpt", "--model", "125m", "--seq", "1024"]
+LLAMA = ["--arch", "llama", "--model", "7b", "--seq", "2048"]
+MODELS = {  # name: zpp comm flags; one sequence per GPU of 2 x 4
+    "GPT 125m": [*GPT, "--batch", "8"],
+    "Llama 7B": [*LLAMA, "--batch", "8"],
 }
+# Depths and meshes the engine was not tuned on, with the 2 x 4 models above:
+# ZeRO-3 and ZeRO++ only. name: zpp comm flags.
+SPREAD = {
+    "GPT 125m, 12 layers": [*GPT, "--batch", "8", "--layers", "12"],
+    "GPT 125m, 24 layers": [*GPT, "--batch", "8", "--layers", "24"],
+    "Llama 7B on 2 x 8": [*LLAMA, "--batch", "16", "--nodes", "2", "--local", "8"],
+    "Llama 7B on 4 x 8": [*LLAMA, "--batch", "32", "--nodes", "4", "--local", "8"],
+}
+SPREAD_CONFIGS = ("zero3", "zeropp")
 CONFIGS = ("zero3", "zeropp", "jit", "jit_fsdp")  # the picture's
 COMPILED = (*CONFIGS, "zeropp_ef")  # the tables'
 LABELS = {
@@ -36,10 +47,10 @@ LABELS = {
 }
 
 
-def compile_reports(flags: list[str]) -> dict:
+def compile_reports(flags: list[str], configs=COMPILED) -> dict:
     """`zpp comm --target h200 --json` for one model: report per config."""
     command = [sys.executable, "-m", "zpp_jax", "comm", "--target", "h200", "--json"]
-    command += [*flags, "--compute-dtype", "bfloat16", "--configs", *COMPILED]
+    command += [*flags, "--compute-dtype", "bfloat16", "--configs", *configs]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     run = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if run.returncode:
@@ -135,7 +146,31 @@ def details(reports: dict) -> str:
     return pages.table(header, rows)
 
 
-def page(rows: dict, reports: dict, made: dict) -> str:
+def spread(reports: dict) -> str:
+    """ZeRO-3 and ZeRO++ per model, depth and mesh: XLA's step estimate,
+    the communication it leaves exposed, and peak memory."""
+    header = ["model", "method", "XLA's step estimate, ms", "exposed, ms (share of the step)"]
+    header += ["peak GB per GPU", "ZeRO-3's step / this step"]
+    rows = []
+    for model, by in reports.items():
+        zero3 = by["zero3"]["estimate"]["step_us"]
+        for config in SPREAD_CONFIGS:
+            r, est = by[config], by[config]["estimate"]
+            exposed = sum(est["exposed_us"].values())
+            rows.append(
+                [
+                    model,
+                    LABELS[config],
+                    f"{est['step_us'] / 1e3:.1f}",
+                    f"{exposed / 1e3:.2f} ({exposed / est['step_us']:.1%})",
+                    f"{r['peak_memory_bytes'] / 1e9:.2f}",
+                    f"{zero3 / est['step_us']:.2f}",
+                ]
+            )
+    return pages.table(header, rows)
+
+
+def page(rows: dict, reports: dict, spread_reports: dict, made: dict) -> str:
     lines = [
         "| model | method | GB across nodes per GPU | XLA's step estimate, ms | exposed, ms |",
         "|---|---|---|---|---|",
@@ -166,7 +201,15 @@ def page(rows: dict, reports: dict, made: dict) -> str:
         "all-to-alls; qgZ: the all-to-all inside the node and the permute across nodes) "
         "and the step's few all-reduces. Peak is `memory_analysis()`'s arguments + "
         "outputs + temporaries - aliases; state is the parameters and optimizer state "
-        "per GPU. Bytes are per GPU per step under the ring model.\n\n" + details(reports) + "\n"
+        "per GPU. Bytes are per GPU per step under the ring model.\n\n"
+        + details(reports)
+        + "\n\n## Other depths and meshes\n\n"
+        "ZeRO-3 and ZeRO++ on depths and meshes the engine was not tuned on, beside the "
+        "two models above (2 x 4): the GPT 125m's widths at 12 and 24 layers (batch 8 x "
+        "1024), and the Llama 7B on 2 nodes x 8 GPUs (batch 16 x 2048) and 4 x 8 (batch 32 x "
+        "2048). The same XLA estimates, with the same link model.\n\n"
+        + spread({**{m: reports[m] for m in MODELS}, **spread_reports})
+        + "\n"
     )
 
 
@@ -177,16 +220,23 @@ def main() -> None:
     args = parser.parse_args()
     pages.prepare(args.out, "gpu_schedule", args.overwrite)
     reports = {model: compile_reports(flags) for model, flags in MODELS.items()}
+    spread_reports = {m: compile_reports(f, SPREAD_CONFIGS) for m, f in SPREAD.items()}
     rows = summary(reports)
     # Each report without its per-collective list (`zpp comm --json` has it).
-    kept = {
+    kept, spread_kept = _without_collectives(reports), _without_collectives(spread_reports)
+    made = {"command": pages.command(), "machine": pages.machine()}
+    data = {**made, "summary": rows, "reports": kept, "spread": spread_kept}
+    pages.write_json(args.out, "gpu_schedule", data)
+    plot(rows, args.out / "gpu_schedule.png")
+    pages.write_page(args.out, page(rows, kept, spread_kept, made))
+
+
+def _without_collectives(reports: dict) -> dict:
+    """Each report without its per-collective list (`zpp comm --json` has it)."""
+    return {
         model: {c: {k: v for k, v in r.items() if k != "collectives"} for c, r in by.items()}
         for model, by in reports.items()
     }
-    made = {"command": pages.command(), "machine": pages.machine()}
-    pages.write_json(args.out, "gpu_schedule", {**made, "summary": rows, "reports": kept})
-    plot(rows, args.out / "gpu_schedule.png")
-    pages.write_page(args.out, page(rows, kept, made))
 
 
 if __name__ == "__main__":
