@@ -111,6 +111,20 @@ def test_choose_takes_the_fastest_within_the_error_bound():
         choose(rows[2:], None)
 
 
+def test_the_table_names_the_settings_above_the_error_bound():
+    from zpp_jax.recipes.tune_run import table
+
+    row = dict(exposed_s=0.0, cross_node_bytes=1e6, peak_memory_bytes=1e9)
+    rows = [
+        {"name": "w4", "step_s": 1.0, "grad_error": 1.07, **row},
+        {"name": "w8", "step_s": 2.0, "grad_error": 0.12, **row},
+    ]
+    text = table({"rows": rows, "winner": "w8"}, "cpu", 0.25).splitlines()
+    assert text[1].startswith(" 1 w4") and text[2].startswith(" * w8")
+    assert text[-1] == "not chosen, their gradient error above --max-grad-error 0.25: w4"
+    assert TuneConfig().max_grad_error == 0.25
+
+
 def test_config_file_round_trips_and_refuses_what_it_cannot_read(tmp_path):
     path = tmp_path / "zpp.json"
     config = ZeroPPConfig(weight_bits=4, gradient_block_size=64, remat="full")

@@ -20,8 +20,9 @@
    gradient against the exact one (ZeRO-3 on an fp32 wire) on one real
    batch, ‖g - g_exact‖ / ‖g_exact‖ over all parameters. On the GPU target
    it is measured on CPU devices with the architecture's ``tiny`` preset.
-5. The winner, the fastest candidate (within ``max_grad_error`` if given),
-   is written with `ZeroPPConfig.to_file`, for ``zpp train --config``.
+5. The winner, the fastest candidate whose gradient error is within
+   ``max_grad_error``, is written with `ZeroPPConfig.to_file`, for
+   ``zpp train --config``.
 
 Importing this module costs no JAX.
 """
@@ -74,9 +75,11 @@ class TuneConfig:
     budget: int = option(24, "compile at most this many candidates", type=count())
     steps: int = option(5, "timed steps per candidate (cpu)", type=count())
     warmup: int = option(1, "untimed steps first (cpu)", type=count(0))
-    max_grad_error: float | None = option(
-        None,
-        "choose only settings whose gradient's relative error is at most this",
+    max_grad_error: float = option(
+        0.25,
+        "choose only settings whose gradient's relative error is at most this: the default "
+        "admits ZeRO++'s published setting (int8 weights, int4 gradients) and refuses int4 "
+        "weights, whose gradient is wrong by about its own size; raise it to admit them",
         type=Number(float, 0, why="a relative error"),
     )
     out: str = option("zpp_tuned.json", "write the winner's ZeroPPConfig here")

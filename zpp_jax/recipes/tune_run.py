@@ -268,10 +268,12 @@ def _summary(row: dict) -> dict:
     return {k: row[k] for k in keys if row.get(k) is not None}
 
 
-def table(result: dict, target: str) -> str:
+def table(result: dict, target: str, max_grad_error: float) -> str:
     """The ranked rows as text: step (measured on CPU, XLA's estimate on a
     GPU target), exposed communication (the estimate's), bytes across
-    nodes, peak memory, gradient error, and why a row was not measured."""
+    nodes, peak memory, gradient error, why a row was not measured, and
+    which rows were measured but not eligible (gradient error above
+    `max_grad_error`)."""
     step = "step (XLA's estimate)" if target != "cpu" else "step (median)"
     head = f"{'':2} {'setting':28} {step:>22} {'exposed':>9} {'cross-node MB':>14} "
     head += f"{'peak GB':>8} {'grad error':>10}"
@@ -286,6 +288,12 @@ def table(result: dict, target: str) -> str:
         lines.append(
             f"{mark:>2} {r['name']:28} {r['step_s'] * 1e3:19.1f} ms {exposed:>9} "
             f"{r['cross_node_bytes'] / 1e6:14.2f} {r['peak_memory_bytes'] / 1e9:8.3f} {error:>10}"
+        )
+    refused = [r["name"] for r in result["rows"] if r.get("grad_error", 0) > max_grad_error]
+    if refused:
+        lines.append(
+            f"not chosen, their gradient error above --max-grad-error {max_grad_error:g}: "
+            + ", ".join(refused)
         )
     return "\n".join(lines)
 
@@ -304,7 +312,7 @@ def run_tune_command(cfg: TuneConfig) -> int:
         cpu_mesh = make_mesh(cfg.nodes, cfg.local)
     result = tune(cfg, mesh, cpu_mesh)
     if jax.process_index() == 0:
-        print(table(result, cfg.target))
+        print(table(result, cfg.target, cfg.max_grad_error))
         print(
             f"zpp tune: {result['compiles']} compiles in {result['seconds']:.0f} s; "
             f"chose {result['winner']!r}, written to {cfg.out}"

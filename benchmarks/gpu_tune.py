@@ -1,0 +1,114 @@
+"""`zpp tune` for 2 nodes x 8 H200 GPUs at two NIC rates, compiled (not run).
+
+    python benchmarks/gpu_tune.py --out docs/results/DATE-h200-tune
+
+For each rate of the NIC each GPU has (100 and 400 Gbit/s: 12.5 and 50
+GB/s across nodes; NVLink's 400 GB/s inside a node), `zpp tune --target
+h200` compiles the candidate settings for the GPT 125m (batch 16 x 1024
+tokens) and ranks them by XLA's estimate of the step, with the
+collectives priced on those links. Nothing runs on a GPU: the steps are
+the scheduler's cost model, not measurements. Needs the gpu-aot extra and
+``ZPP_GPU_TARGET_CONFIG``. Writes `gpu_tune.json`, `gpu_tune.png` and
+`report.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import pages
+
+MODEL = ["--arch", "gpt", "--model", "125m", "--seq", "1024", "--batch", "16"]
+MESH = ["--nodes", "2", "--local", "8"]
+RATES = {"100 Gbit/s": 12.5, "400 Gbit/s": 50.0}  # per GPU, GB/s
+
+
+def tune(gbps: float, out: pathlib.Path) -> dict:
+    """`zpp tune --target h200` at `gbps` across nodes: the provenance it
+    wrote with the winner (its rows, compiles, seconds), its wall time and
+    its table."""
+    command = [sys.executable, "-m", "zpp_jax", "tune", "--target", "h200", "--quiet"]
+    command += [*MODEL, *MESH, "--link", f"intra=400,inter={gbps:g}", "--out", str(out)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    start = time.monotonic()
+    run = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    wall = time.monotonic() - start
+    if run.returncode:
+        sys.exit(f"zpp tune failed:\n{run.stderr[-3000:]}")
+    print(run.stdout, flush=True)
+    return {**json.loads(out.read_text())["about"], "wall_s": wall, "table": run.stdout}
+
+
+def plot(results: dict, path: pathlib.Path) -> None:
+    fig, axes = pages.figure(1, len(results), figsize=(4.6 * len(results), 3.8), squeeze=False)
+    for ax, (rate, r) in zip(axes[0], results.items(), strict=True):
+        rows = sorted((x for x in r["rows"] if x.get("step_s")), key=lambda x: x["step_s"])
+        colors = ["C3" if x["name"] == r["setting"] else "C0" for x in rows]
+        ax.barh([x["name"] for x in rows], [x["step_s"] * 1e3 for x in rows], color=colors)
+        ax.invert_yaxis()
+        ax.tick_params(axis="y", labelsize=6)
+        ax.set_xlabel("XLA's estimated step, ms")
+        ax.set_title(f"{rate} per GPU: chose {r['setting']} (red)", fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    pages.save(fig, path)
+
+
+def _step(rows: list[dict], name: str) -> float | None:
+    return next((r["step_s"] for r in rows if r["name"] == name and r.get("step_s")), None)
+
+
+def page(result: dict) -> str:
+    header = ["NIC per GPU", "zpp tune chose", "its step", "ZeRO-3's step", "ZeRO-3 / chosen"]
+    header += ["compiles", "wall time"]
+    rows, tables = [], []
+    for rate, r in result["rates"].items():
+        zero3 = _step(r["rows"], "zero3")
+        ratio = f"{zero3 / r['step_s']:.2f}" if zero3 else "not compiled"
+        zero3_ms = f"{zero3 * 1e3:.1f} ms" if zero3 else "not compiled"
+        rows.append(
+            [rate, r["setting"], f"{r['step_s'] * 1e3:.1f} ms", zero3_ms, ratio,
+             r["compiles"], f"{r['wall_s']:.0f} s"]
+        )  # fmt: skip
+        tables.append(f"### {rate}\n\n```\n{r['table'].strip()}\n```\n")
+    return (
+        "# zpp tune for 2 x 8 H200s at two NIC rates: XLA's estimates\n\n"
+        f"Made by `{result['command']}` with the gpu-aot extra. "
+        f"{pages.machine_line(result['machine'])}\n\n"
+        f"`zpp tune --target h200 {' '.join(MODEL + MESH)} --link intra=400,inter=RATE`, "
+        "RATE the GB/s of the NIC each GPU has. Each candidate's training step (AdamW, bf16 "
+        "compute) is compiled for 2 nodes x 8 H200 GPUs from XLA's H200 target description "
+        "and ranked by **XLA's estimate** of its step (its scheduler's cost model on the "
+        "schedule it made, the collectives priced on the given links), not a measurement. "
+        "The gradient error is measured on CPU devices with the tiny GPT. Wall time is on "
+        "this machine, compiling on its cores. Data: [gpu_tune.json](gpu_tune.json).\n\n"
+        + pages.table(header, rows)
+        + "\n\n![every compiled setting per rate](gpu_tune.png)\n\n"
+        "## Each run's ranked table\n\n" + "\n".join(tables)
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args()
+    pages.prepare(args.out, "gpu_tune", args.overwrite)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {
+            rate: tune(gbps, pathlib.Path(tmp) / f"{gbps:g}.json") for rate, gbps in RATES.items()
+        }
+    result = {"command": pages.command(), "machine": pages.machine(), "rates": results}
+    pages.write_json(args.out, "gpu_tune", result)
+    plot(results, args.out / "gpu_tune.png")
+    pages.write_page(args.out, page(result))
+
+
+if __name__ == "__main__":
+    main()
