@@ -2,24 +2,25 @@
 
 1. **Candidates** (`candidates`): ZeRO-3; each technique alone; all three
    with weight bits 8 or 4 and gradient bits 4 or 8; with error feedback.
-   The fastest of those is then refined (`refinements`): other weight and
+   The fastest eligible one (5.) is then refined (`refinements`): other weight and
    gradient block sizes, the other recomputation policies, small
    parameters kept whole.
 2. **Pruning** (`link_bound_s`): each candidate's bytes per device per step
    across and inside nodes follow from the parameter count and its wire
    format (the ring model); at the link's rates they take a time no step of
    that candidate can beat. A candidate whose bound is above the fastest
-   step measured so far is not compiled. Candidates are measured in the
+   eligible step measured so far (5.) is not compiled. Candidates are measured in the
    order of their bounds, so the likely winners come first.
 3. **Measuring**: on CPU devices each step is compiled once and timed
    (median of ``steps`` after ``warmup``), in one process or under
    `jax.distributed` over a real link; on the GPU target the step is
    compiled (not run) and XLA's estimate of it, with the link model, is
    what counts. ``budget`` bounds the compiles.
-4. **Numerics** (`gradient_error`): the relative error of each setting's
-   gradient against the exact one (ZeRO-3 on an fp32 wire) on one real
-   batch, ‖g - g_exact‖ / ‖g_exact‖ over all parameters. On the GPU target
-   it is measured on CPU devices with the architecture's ``tiny`` preset.
+4. **Numerics** (`tune_run.Tuner.gradient_error`), as each candidate is measured: the
+   relative error of its gradient against the exact one (ZeRO-3 on an fp32
+   wire) on one real batch, ‖g - g_exact‖ / ‖g_exact‖ over all parameters,
+   once per distinct quantization. On the GPU target it is measured on CPU
+   devices with the architecture's ``tiny`` preset.
 5. The winner, the fastest candidate whose gradient error is within
    ``max_grad_error``, is written with `ZeroPPConfig.to_file`, for
    ``zpp train --config``.
@@ -268,7 +269,8 @@ def numerics_key(config: ZeroPPConfig) -> tuple:
 
 def choose(rows: list[dict], max_grad_error: float | None) -> dict:
     """The fastest measured row whose gradient error is within
-    `max_grad_error` (any, if None)."""
+    `max_grad_error` (any, if None; a row whose error could not be
+    measured counts as within)."""
     measured = [r for r in rows if r.get("step_s") is not None]
     if not measured:
         raise UsageError("no candidate was measured: raise --budget")
@@ -276,7 +278,8 @@ def choose(rows: list[dict], max_grad_error: float | None) -> dict:
         r
         for r in measured
         if max_grad_error is None
-        or (r.get("grad_error") is not None and r["grad_error"] <= max_grad_error)
+        or r.get("grad_error") is None
+        or r["grad_error"] <= max_grad_error
     ]
     if not allowed:
         raise UsageError(

@@ -162,14 +162,22 @@ class Tuner:
         self.rows: list[dict] = []
         self.compiles = 0
         self.progress = Progress(cfg.budget, cfg.progress)
+        self._errors: dict = {}  # numerics_key -> gradient error
+        self._exact = None  # the exact gradient, once computed
+
+    def eligible(self, row: dict) -> bool:
+        """Measured, and its gradient error within ``--max-grad-error`` (or
+        not measurable: an entry model on the GPU target)."""
+        error = row.get("grad_error")
+        return row.get("step_s") is not None and (error is None or error <= self.cfg.max_grad_error)
 
     def best_step(self) -> float:
-        steps = [r["step_s"] for r in self.rows if r.get("step_s") is not None]
-        return min(steps, default=float("inf"))
+        """The fastest eligible step so far: what a candidate must beat."""
+        return min((r["step_s"] for r in self.rows if self.eligible(r)), default=float("inf"))
 
     def run(self, group: list[Candidate]) -> None:
         """Measure `group` in the order of their link bounds, pruning those
-        that cannot beat the fastest step so far."""
+        that cannot beat the fastest eligible step so far."""
         nodes, local = self.mesh.devices.shape
         bound = {c.name: 0.0 for c in group}
         if self.link is not None:
@@ -184,6 +192,7 @@ class Tuner:
                 row["note"] = "not compiled: --budget spent"
             else:
                 row.update(self.measure(c.config))
+                row["grad_error"] = self.gradient_error(c.config)
                 self.compiles += 1
                 self.progress.step(c.name)
             self.rows.append(row)
@@ -202,27 +211,27 @@ class Tuner:
         trainer = Trainer(abstract, optax.adamw(1e-3), self.mesh, config, **kw)
         return measure_target(trainer, self.batch)
 
-    def add_numerics(self) -> None:
-        """Each measured row's gradient error, one gradient per distinct
-        quantization (on the GPU target: the architecture's tiny preset)."""
-        build, seq = self.build, self.seq
-        if self.cfg.target != "cpu":
-            if self.cfg.entry is not None:
-                return  # an entry model's size is unknown: it may not fit here
-            build, seq = model_builder(self.cfg, arch_preset="tiny")
-        batch = real_batch(self.cfg.batch, seq)
-        exact = gradient(
-            ZeroPPConfig.zero3(comm_dtype=None), build, self.cpu_mesh, batch, self.cfg.compute_dtype
-        )
-        errors: dict = {}
-        for row in self.rows:
-            if row.get("step_s") is None:
-                continue
-            key = numerics_key(row["config"])
-            if key not in errors:
-                got = gradient(row["config"], build, self.cpu_mesh, batch, self.cfg.compute_dtype)
-                errors[key] = float(relative_error(got, exact))
-            row["grad_error"] = errors[key]
+    def gradient_error(self, config: ZeroPPConfig) -> float | None:
+        """`config`'s gradient error, one gradient per distinct quantization
+        (on the GPU target: the architecture's tiny preset; None for an
+        entry model there, whose size may not fit on CPU devices)."""
+        if self.cfg.target != "cpu" and self.cfg.entry is not None:
+            return None
+        key = numerics_key(config)
+        if key not in self._errors:
+            build, batch = self._numerics_model()
+            if self._exact is None:
+                exact = ZeroPPConfig.zero3(comm_dtype=None)
+                self._exact = gradient(exact, build, self.cpu_mesh, batch, self.cfg.compute_dtype)
+            got = gradient(config, build, self.cpu_mesh, batch, self.cfg.compute_dtype)
+            self._errors[key] = float(relative_error(got, self._exact))
+        return self._errors[key]
+
+    def _numerics_model(self) -> tuple[Callable, dict]:
+        if self.cfg.target == "cpu":
+            return self.build, self.batch
+        build, seq = model_builder(self.cfg, arch_preset="tiny")
+        return build, real_batch(self.cfg.batch, seq)
 
 
 def tune(cfg: TuneConfig, mesh, cpu_mesh) -> dict:
@@ -234,12 +243,10 @@ def tune(cfg: TuneConfig, mesh, cpu_mesh) -> dict:
         raise UsageError(f"{out} exists: pass --overwrite to replace it, or another --out")
     tuner = Tuner(cfg, mesh, cpu_mesh)
     start = time.perf_counter()
-    first = candidates(ZeroPPConfig(comm_dtype="bfloat16"))
-    tuner.run(first)
-    best = choose(tuner.rows, None)
+    tuner.run(candidates(ZeroPPConfig(comm_dtype="bfloat16")))
+    best = choose(tuner.rows, cfg.max_grad_error)
     tuner.run(refinements(Candidate(best["name"], best["config"])))
     tuner.progress.close()
-    tuner.add_numerics()
     winner = choose(tuner.rows, cfg.max_grad_error)
     rows = sorted(tuner.rows, key=lambda r: (r.get("step_s") is None, r.get("step_s") or 0))
     took = time.perf_counter() - start
@@ -253,6 +260,7 @@ def tune(cfg: TuneConfig, mesh, cpu_mesh) -> dict:
             "batch": cfg.batch,
             "seq": tuner.seq,
             "link": cfg.link,
+            "max_grad_error": cfg.max_grad_error,
             "compiles": tuner.compiles,
             "seconds": took,
             "rows": [_summary(r) for r in rows],
