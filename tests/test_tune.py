@@ -111,17 +111,19 @@ def test_choose_takes_the_fastest_within_the_error_bound():
         choose(rows[2:], None)
 
 
-def test_the_table_names_the_settings_above_the_error_bound():
+def test_the_table_ranks_the_measured_and_says_why_the_rest_were_not():
     from zpp_jax.recipes.tune_run import table
 
-    row = dict(exposed_s=0.0, cross_node_bytes=1e6, peak_memory_bytes=1e9)
+    row = dict(exposed_s=0.0, cross_node_bytes=1e6, peak_memory_bytes=1e9, grad_error=0.12)
+    note = "not compiled: gradient error 1.07e+00 > --max-grad-error 0.25"
     rows = [
-        {"name": "w4", "step_s": 1.0, "grad_error": 1.07, **row},
-        {"name": "w8", "step_s": 2.0, "grad_error": 0.12, **row},
+        {"name": "w8 g8", "step_s": 1.0, **row},
+        {"name": "w8 g4", "step_s": 2.0, **row},
+        {"name": "w4 g4", "note": note, "grad_error": 1.07},
     ]
-    text = table({"rows": rows, "winner": "w8"}, "cpu", 0.25).splitlines()
-    assert text[1].startswith(" 1 w4") and text[2].startswith(" * w8")
-    assert text[-1] == "not chosen, their gradient error above --max-grad-error 0.25: w4"
+    text = table({"rows": rows, "winner": "w8 g4"}, "cpu").splitlines()
+    assert text[1].startswith(" 1 w8 g8") and text[2].startswith(" * w8 g4")
+    assert text[3].split() == ["w4", "g4", *note.split()]
     assert TuneConfig().max_grad_error == 0.25
 
 
