@@ -11,7 +11,7 @@ veth pair shaped at both ends with `tc ... tbf`, and `zpp tune` runs as two
   it prunes the settings whose link time alone exceeds the fastest step,
   within its default budget;
 - **a full sweep**: without `--link` (nothing pruned) and a budget that
-  compiles every candidate.
+  compiles every candidate within the default ``--max-grad-error``.
 
 The page reports, per rate, the setting each chose, its step, the compiles
 and the wall time, and the chosen setting's step against the full sweep's
@@ -130,7 +130,9 @@ def page(result: dict) -> str:
         "at both ends (`benchmarks/cluster/`), 4 CPU devices each (a 2 x 4 mesh); "
         f"`zpp tune {' '.join(MODEL)}`, run as a user would (told the link: "
         "`--link intra=100,inter=RATE`, default budget) and as a full sweep (no link "
-        "given, so nothing is pruned, `--budget 100`). Steps are medians on this machine, "
+        "given, so nothing is pruned, `--budget 100`); in both, a setting whose gradient "
+        "error exceeds the default `--max-grad-error` (int4 weights) is not compiled. "
+        "Steps are medians on this machine, "
         'where the 8 devices share its cores; "chosen / fastest" is the chosen setting\'s '
         "step over the full sweep's fastest (in brackets, with the chosen setting's step "
         "as the sweep measured it). Data: [tune.json](tune.json).\n\n"
