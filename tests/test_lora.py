@@ -42,7 +42,7 @@ def _lora_grads(model, tokens):
     return dict(nnx.to_flat_state(_grads(model, tokens)))
 
 
-@pytest.mark.parametrize("bits", [None, 8, 4])
+@pytest.mark.parametrize("bits", [pytest.param(None, marks=pytest.mark.slow), 8, 4])
 def test_a_sharded_lora_computes_what_the_plain_model_does(bits):
     """Logits and the adapters' gradients of the sharded model (ZeRO-3's
     exact wire) equal those of the plain model with the same base: the

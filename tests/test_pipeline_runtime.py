@@ -86,7 +86,9 @@ def test_pipelined_loss_and_gradients_equal_the_model(reference):
         _close(grads[name], ref_grads[name])
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["layer_list", "scanned"])
+@pytest.mark.parametrize(
+    "scan", [pytest.param(False, marks=pytest.mark.slow), True], ids=["layer_list", "scanned"]
+)
 def test_pipelined_llama_equals_the_model(scan):
     """The Llama-style model (rotary positions at each slice's offset,
     2 key/value heads for 4 query heads), its layers a Python list or an

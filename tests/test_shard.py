@@ -214,7 +214,9 @@ def _loss_and_grads(family, config, mesh):
     return float(loss), jax.tree.leaves(grads)
 
 
-@pytest.mark.parametrize("name", ["llama_list", "llama_scan", "tied_embedding"])
+@pytest.mark.parametrize(
+    "name", [pytest.param("llama_list", marks=pytest.mark.slow), "llama_scan", "tied_embedding"]
+)
 def test_gpu_order_changes_the_order_not_the_math(name, mesh24, monkeypatch):
     """On a GPU mesh the units prefetch and relay (`ShardedLayer.relayed`:
     each unit's gathers and reductions are tied to its neighbours' in the
