@@ -49,14 +49,8 @@ def tune(gbps: float, out: pathlib.Path) -> dict:
 def plot(results: dict, path: pathlib.Path) -> None:
     fig, axes = pages.figure(1, len(results), figsize=(4.6 * len(results), 3.8), squeeze=False)
     for ax, (rate, r) in zip(axes[0], results.items(), strict=True):
-        rows = sorted((x for x in r["rows"] if x.get("step_s")), key=lambda x: x["step_s"])
-        colors = ["C3" if x["name"] == r["setting"] else "C0" for x in rows]
-        ax.barh([x["name"] for x in rows], [x["step_s"] * 1e3 for x in rows], color=colors)
-        ax.invert_yaxis()
-        ax.tick_params(axis="y", labelsize=6)
-        ax.set_xlabel("XLA's estimated step, ms")
-        ax.set_title(f"{rate} per GPU: chose {r['setting']} (red)", fontsize=8)
-        ax.grid(axis="x", alpha=0.3)
+        title = f"{rate} per GPU: chose {r['setting']} (red)"
+        pages.ranked_steps(ax, r["rows"], r["setting"], 1e3, "XLA's estimated step, ms", title)
     pages.save(fig, path)
 
 

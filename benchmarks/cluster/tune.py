@@ -95,15 +95,9 @@ def verdict(r: dict) -> dict:
 def plot(results: list[dict], path: pathlib.Path) -> None:
     fig, axes = pages.figure(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False)
     for ax, r in zip(axes[0], results, strict=True):
-        rows = sorted((x for x in r["full"]["rows"] if x.get("step_s")), key=lambda x: x["step_s"])
         chosen = r["tuned"]["setting"]
-        colors = ["C3" if x["name"] == chosen else "C0" for x in rows]
-        ax.barh([x["name"] for x in rows], [x["step_s"] for x in rows], color=colors)
-        ax.invert_yaxis()
-        ax.tick_params(axis="y", labelsize=6)
-        ax.set_xlabel("step, s (full sweep)")
-        ax.set_title(f"{r['rate']}: zpp tune chose {chosen} (red)", fontsize=8)
-        ax.grid(axis="x", alpha=0.3)
+        title = f"{r['rate']}: zpp tune chose {chosen} (red)"
+        pages.ranked_steps(ax, r["full"]["rows"], chosen, 1, "step, s (full sweep)", title)
     pages.save(fig, path)
 
 

@@ -254,9 +254,10 @@ def schedule_estimate(schedule_text: str, latency_us: dict[str, float]) -> Sched
                 return None
             wasted = max(0.0, latency * per_us - (now - started[info["operand"]]))
             now += wasted
-            exposed[_started_kind(start)] += wasted / per_us
+            kind = _started_kind(start)
+            exposed[kind] += wasted / per_us
             kinds = by_op.setdefault(start.get("op_name", ""), {})
-            kinds[_started_kind(start)] = kinds.get(_started_kind(start), 0.0) + wasted / per_us
+            kinds[kind] = kinds.get(kind, 0.0) + wasted / per_us
     return ScheduleEstimate(now / per_us, exposed, by_op)
 
 

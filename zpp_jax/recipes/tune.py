@@ -267,20 +267,20 @@ def numerics_key(config: ZeroPPConfig) -> tuple:
     return weights, grads, None if weights and grads else config.comm_dtype
 
 
+def within_error(error: float | None, max_grad_error: float | None) -> bool:
+    """Whether a setting's gradient error `error` is within `max_grad_error`
+    (any, if None; an error that could not be measured, None, counts as
+    within)."""
+    return max_grad_error is None or error is None or error <= max_grad_error
+
+
 def choose(rows: list[dict], max_grad_error: float | None) -> dict:
-    """The fastest measured row whose gradient error is within
-    `max_grad_error` (any, if None; a row whose error could not be
-    measured counts as within)."""
+    """The fastest measured row whose gradient error is `within_error`
+    `max_grad_error`."""
     measured = [r for r in rows if r.get("step_s") is not None]
     if not measured:
         raise UsageError("no candidate was measured: raise --budget")
-    allowed = [
-        r
-        for r in measured
-        if max_grad_error is None
-        or r.get("grad_error") is None
-        or r["grad_error"] <= max_grad_error
-    ]
+    allowed = [r for r in measured if within_error(r.get("grad_error"), max_grad_error)]
     if not allowed:
         raise UsageError(
             "no candidate was measured within --max-grad-error "

@@ -28,6 +28,7 @@ from zpp_jax.recipes.tune import (
     link_bound_s,
     numerics_key,
     refinements,
+    within_error,
 )
 
 
@@ -165,15 +166,13 @@ class Tuner:
         self._errors: dict = {}  # numerics_key -> gradient error
         self._exact = None  # the exact gradient, once computed
 
-    def eligible(self, row: dict) -> bool:
-        """Measured, and its gradient error within ``--max-grad-error`` (or
-        not measurable: an entry model on the GPU target)."""
-        error = row.get("grad_error")
-        return row.get("step_s") is not None and (error is None or error <= self.cfg.max_grad_error)
-
     def best_step(self) -> float:
-        """The fastest eligible step so far: what a candidate must beat."""
-        return min((r["step_s"] for r in self.rows if self.eligible(r)), default=float("inf"))
+        """The fastest step so far whose gradient error is within
+        ``--max-grad-error``: what a candidate must beat."""
+        bound = self.cfg.max_grad_error
+        measured = [r for r in self.rows if r.get("step_s") is not None]
+        eligible = [r["step_s"] for r in measured if within_error(r.get("grad_error"), bound)]
+        return min(eligible, default=float("inf"))
 
     def run(self, group: list[Candidate]) -> None:
         """Measure `group` in the order of their link bounds, pruning those
@@ -193,7 +192,7 @@ class Tuner:
                 row["note"] = "pruned: its link time alone exceeds the fastest step"
                 continue
             row["grad_error"] = error = self.gradient_error(c.config)
-            if not self.eligible({**row, "step_s": 0.0}):
+            if not within_error(error, self.cfg.max_grad_error):
                 limit = f"--max-grad-error {self.cfg.max_grad_error:g}"
                 row["note"] = f"not compiled: gradient error {error:.2e} > {limit}"
             elif self.compiles >= self.cfg.budget:
