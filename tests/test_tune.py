@@ -111,6 +111,16 @@ def test_choose_takes_the_fastest_within_the_error_bound():
         choose(rows[2:], None)
 
 
+def test_choose_takes_the_fastest_of_the_settings_timed_side_by_side():
+    rows = [
+        {"name": "a", "step_s": 1.0, "grad_error": 0.01},  # its search time, lucky
+        {"name": "b", "step_s": 1.2, "search_step_s": 1.1, "confirmed": True},
+        {"name": "c", "step_s": 1.1, "search_step_s": 1.05, "confirmed": True},
+    ]
+    assert choose(rows, 0.25)["name"] == "c"
+    assert choose(rows[:1], 0.25)["name"] == "a"
+
+
 def test_the_table_ranks_the_measured_and_says_why_the_rest_were_not():
     from zpp_jax.recipes.tune_run import table
 
@@ -177,5 +187,10 @@ def test_zpp_tune_writes_the_fastest_setting_it_measured(tmp_path):
     steps = [float(line.split(" ms")[0].split()[-1]) for line in measured]
     assert steps[0] == min(steps)  # the table is ranked and the winner is first
     assert ZeroPPConfig.from_file(out).quantize_gradients
+    # All three fit --confirm's default 3: each was timed again, side by side.
+    rows = chosen["rows"]
+    assert sum(bool(r.get("confirmed")) for r in rows) == 3
+    assert all(r["search_step_s"] > 0 for r in rows if r.get("confirmed"))
+    assert "(the first 3 timed again side by side, and chosen among)" in lines
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "--overwrite" in again.stderr

@@ -13,17 +13,22 @@
    order of their bounds, so the likely winners come first.
 3. **Measuring**: on CPU devices each step is compiled once and timed
    (median of ``steps`` after ``warmup``), in one process or under
-   `jax.distributed` over a real link; on the GPU target the step is
-   compiled (not run) and XLA's estimate of it, with the link model, is
-   what counts. ``budget`` bounds the compiles.
+   `jax.distributed` over a real link (process 0's times, shared so that
+   every process prunes and chooses alike). The ``confirm`` fastest
+   eligible steps are kept compiled and, once the search ends, timed
+   again side by side, one step of each in turn, so that settings a few
+   percent apart are told apart under the same load. On the GPU target
+   the step is compiled (not run) and XLA's estimate of it, with the link
+   model, is what counts. ``budget`` bounds the compiles; the
+   confirmation compiles nothing more.
 4. **Numerics** (`tune_run.Tuner.gradient_error`), as each candidate is measured: the
    relative error of its gradient against the exact one (ZeRO-3 on an fp32
    wire) on one real batch, ‖g - g_exact‖ / ‖g_exact‖ over all parameters,
    once per distinct quantization. On the GPU target it is measured on CPU
    devices with the architecture's ``tiny`` preset.
 5. The winner, the fastest candidate whose gradient error is within
-   ``max_grad_error``, is written with `ZeroPPConfig.to_file`, for
-   ``zpp train --config``.
+   ``max_grad_error`` (on CPU devices: of those timed side by side), is
+   written with `ZeroPPConfig.to_file`, for ``zpp train --config``.
 
 Importing this module costs no JAX.
 """
@@ -76,6 +81,12 @@ class TuneConfig:
     budget: int = option(24, "compile at most this many candidates", type=count())
     steps: int = option(5, "timed steps per candidate (cpu)", type=count())
     warmup: int = option(1, "untimed steps first (cpu)", type=count(0))
+    confirm: int = option(
+        3,
+        "before choosing, time this many of the fastest eligible settings again, side by "
+        "side, one step of each in turn (cpu; 0 or 1: choose on the search's times)",
+        type=count(0),
+    )
     max_grad_error: float = option(
         0.25,
         "choose only settings whose gradient's relative error is at most this: the default "
@@ -276,8 +287,11 @@ def within_error(error: float | None, max_grad_error: float | None) -> bool:
 
 def choose(rows: list[dict], max_grad_error: float | None) -> dict:
     """The fastest measured row whose gradient error is `within_error`
-    `max_grad_error`."""
+    `max_grad_error`; among those timed again side by side
+    (``confirmed``), if any were."""
     measured = [r for r in rows if r.get("step_s") is not None]
+    if any(r.get("confirmed") for r in measured):
+        measured = [r for r in measured if r.get("confirmed")]
     if not measured:
         raise UsageError("no candidate was measured: raise --budget")
     allowed = [r for r in measured if within_error(r.get("grad_error"), max_grad_error)]

@@ -67,23 +67,46 @@ def parameter_count(build: Callable) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
-def measure_cpu(trainer, batch: dict, steps: int, warmup: int) -> dict:
-    """Compile the step once, report it, and time `steps` of it after
-    `warmup` (the median, in seconds)."""
-    from zpp_jax.analysis.report import compile_with_estimate, report_of
-    from zpp_jax.data.loader import host_to_global
+class TimedStep:
+    """A training step compiled on CPU devices, and its training state,
+    ready to be timed again (the state goes on training: the step donates
+    it, and the model's parameters with it). Holds one training state."""
 
-    placed = host_to_global(batch, trainer.batch_sharding())
-    compiled, estimate = compile_with_estimate(trainer, placed)
-    report = report_of(trainer, compiled, estimate)
-    state, times = trainer.init(), []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        state, metrics = compiled(state, placed)
-        float(metrics["loss"])
-        if i >= warmup:
+    def __init__(self, trainer, batch: dict) -> None:
+        from zpp_jax.analysis.report import compile_with_estimate, report_of
+        from zpp_jax.data.loader import host_to_global
+
+        self.placed = host_to_global(batch, trainer.batch_sharding())
+        self.compiled, estimate = compile_with_estimate(trainer, self.placed)
+        self.report = report_of(trainer, self.compiled, estimate)
+        self.state = trainer.init()
+
+    def time(self, steps: int) -> list[float]:
+        """Seconds each of `steps` steps took, as process 0 timed them (every
+        process gets the same numbers, so that all make the same choices)."""
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            self.state, metrics = self.compiled(self.state, self.placed)
+            float(metrics["loss"])
             times.append(time.perf_counter() - start)
-    return {**_row(report), "step_s": statistics.median(times), "times_s": times}
+        return agreed(times)
+
+
+def agreed(times: list[float]) -> list[float]:
+    """Process 0's `times`, in every process."""
+    if jax.process_count() == 1 or not times:
+        return times
+    from jax.experimental import multihost_utils
+
+    ours = jnp.asarray(times, jnp.float32)
+    return [float(t) for t in multihost_utils.broadcast_one_to_all(ours)]
+
+
+def measure_cpu(step: TimedStep, steps: int, warmup: int) -> dict:
+    """Time `steps` of `step` after `warmup` (the median, in seconds)."""
+    times = step.time(warmup + steps)[warmup:]
+    return {**_row(step.report), "step_s": statistics.median(times), "times_s": times}
 
 
 def measure_target(trainer, batch: dict) -> dict:
@@ -165,6 +188,7 @@ class Tuner:
         self.progress = Progress(cfg.budget, cfg.progress)
         self._errors: dict = {}  # numerics_key -> gradient error
         self._exact = None  # the exact gradient, once computed
+        self._kept: dict[str, tuple] = {}  # name -> (row, TimedStep), to confirm
 
     def best_step(self) -> float:
         """The fastest step so far whose gradient error is within
@@ -198,23 +222,57 @@ class Tuner:
             elif self.compiles >= self.cfg.budget:
                 row["note"] = "not compiled: --budget spent"
             else:
-                row.update(self.measure(c.config))
+                self.measure(row)
                 self.compiles += 1
                 self.progress.step(c.name)
 
-    def measure(self, config: ZeroPPConfig) -> dict:
+    def measure(self, row: dict) -> None:
+        """Compile `row`'s setting and add what was measured to `row`."""
         from zpp_jax.train import Trainer
 
         links = None if self.link is None else self.link.link_model()
         kw = dict(compute_dtype=self.cfg.compute_dtype)
         if links is not None:
             kw["links"] = links
-        if self.cfg.target == "cpu":
-            trainer = Trainer(self.build(), optax.adamw(1e-3), self.mesh, config, **kw)
-            return measure_cpu(trainer, self.batch, self.cfg.steps, self.cfg.warmup)
-        abstract = nnx.eval_shape(self.build)
-        trainer = Trainer(abstract, optax.adamw(1e-3), self.mesh, config, **kw)
-        return measure_target(trainer, self.batch)
+        if self.cfg.target != "cpu":
+            abstract = nnx.eval_shape(self.build)
+            trainer = Trainer(abstract, optax.adamw(1e-3), self.mesh, row["config"], **kw)
+            row.update(measure_target(trainer, self.batch))
+            return
+        trainer = Trainer(self.build(), optax.adamw(1e-3), self.mesh, row["config"], **kw)
+        step = TimedStep(trainer, self.batch)
+        row.update(measure_cpu(step, self.cfg.steps, self.cfg.warmup))
+        self._keep(row, step)
+
+    def _keep(self, row: dict, step: TimedStep) -> None:
+        """Keep `step` while it is among the ``confirm`` fastest eligible."""
+        if within_error(row.get("grad_error"), self.cfg.max_grad_error):
+            self._kept[row["name"]] = (row, step)
+        ranked = sorted(self._kept, key=lambda name: self._kept[name][0]["step_s"])
+        for name in ranked[self.cfg.confirm :]:
+            del self._kept[name]
+
+    def confirm(self) -> None:
+        """Time the kept steps again, side by side: ``steps`` rounds, each
+        one step of every kept setting in turn (the order rotating), after
+        ``warmup`` each. Their rows' ``step_s`` becomes the median of these
+        (the search's is kept as ``search_step_s``): a choice among settings
+        a few percent apart is then made on times taken under the same load,
+        not minutes apart. Holds the kept settings' training states (up to
+        ``confirm`` of them) until the search ends."""
+        kept = list(self._kept.values())
+        self._kept = {}
+        if len(kept) < 2:
+            return
+        times: list[list[float]] = [[] for _ in kept]
+        for _, step in kept:
+            step.time(self.cfg.warmup)
+        for i in range(self.cfg.steps):
+            for j in [(i + k) % len(kept) for k in range(len(kept))]:
+                times[j] += kept[j][1].time(1)
+        for (row, _), timed in zip(kept, times, strict=True):
+            row["search_step_s"], row["confirmed"] = row["step_s"], True
+            row["step_s"] = statistics.median(timed)
 
     def gradient_error(self, config: ZeroPPConfig) -> float | None:
         """`config`'s gradient error, one gradient per distinct quantization
@@ -252,8 +310,9 @@ def tune(cfg: TuneConfig, mesh, cpu_mesh) -> dict:
     best = choose(tuner.rows, cfg.max_grad_error)
     tuner.run(refinements(Candidate(best["name"], best["config"])))
     tuner.progress.close()
+    tuner.confirm()
     winner = choose(tuner.rows, cfg.max_grad_error)
-    rows = sorted(tuner.rows, key=lambda r: (r.get("step_s") is None, r.get("step_s") or 0))
+    rows = sorted(tuner.rows, key=rank)
     took = time.perf_counter() - start
     if jax.process_index() == 0:
         about = {
@@ -274,17 +333,25 @@ def tune(cfg: TuneConfig, mesh, cpu_mesh) -> dict:
     return {"rows": rows, "winner": winner["name"], "seconds": took, "compiles": tuner.compiles}
 
 
+def rank(row: dict) -> tuple:
+    """The table's order: the settings timed side by side first, then the
+    rest measured, then those not measured; fastest first in each."""
+    return (row.get("step_s") is None, not row.get("confirmed"), row.get("step_s") or 0)
+
+
 def _summary(row: dict) -> dict:
     """A row as the config file's provenance keeps it (JSON, no config)."""
-    keys = ("name", "step_s", "exposed_s", "grad_error", "bound_s", "note")
+    keys = ("name", "step_s", "search_step_s", "confirmed", "exposed_s", "grad_error")
+    keys += ("bound_s", "note")
     keys += ("cross_node_bytes", "intra_node_bytes", "peak_memory_bytes")
     return {k: row[k] for k in keys if row.get(k) is not None}
 
 
 def table(result: dict, target: str) -> str:
-    """The ranked rows as text: step (measured on CPU, XLA's estimate on a
-    GPU target), exposed communication (the estimate's), bytes across
-    nodes, peak memory, gradient error, and why a row was not measured."""
+    """The ranked rows as text: step (measured on CPU, the side-by-side
+    median for the settings confirmed; XLA's estimate on a GPU target),
+    exposed communication (the estimate's), bytes across nodes, peak
+    memory, gradient error, and why a row was not measured."""
     step = "step (XLA's estimate)" if target != "cpu" else "step (median)"
     head = f"{'':2} {'setting':28} {step:>22} {'exposed':>9} {'cross-node MB':>14} "
     head += f"{'peak GB':>8} {'grad error':>10}"
@@ -300,6 +367,9 @@ def table(result: dict, target: str) -> str:
             f"{mark:>2} {r['name']:28} {r['step_s'] * 1e3:19.1f} ms {exposed:>9} "
             f"{r['cross_node_bytes'] / 1e6:14.2f} {r['peak_memory_bytes'] / 1e9:8.3f} {error:>10}"
         )
+    again = sum(bool(r.get("confirmed")) for r in result["rows"])
+    if again:
+        lines.append(f"(the first {again} timed again side by side, and chosen among)")
     return "\n".join(lines)
 
 
