@@ -1,8 +1,8 @@
 """zpp-jax: ZeRO++ (quantized, hierarchical fully-sharded data parallel) and
 TeraPipe (token-level pipeline parallelism) for JAX.
 
-The top level is what a user calls: `shard` / `shard_linen` / `unshard`
-for any Flax model and `value_and_grad` for its gradients, `ZeroPPConfig`,
+The top level is what a user calls: `shard` / `shard_linen` / `unshard` /
+`unshard_linen` for any Flax model and `value_and_grad` for its gradients, `ZeroPPConfig`,
 the mesh helpers (`make_mesh`, `node_mesh`, `batch_sharding`, `on_mesh`),
 `Trainer` and `Checkpointer`, the `LinkModel` and the `UsageError`. The
 rest lives in named submodules:
@@ -49,6 +49,7 @@ _EXPORTS = {
     "shard": "zpp_jax.shard",
     "shard_linen": "zpp_jax.shard_linen",
     "unshard": "zpp_jax.sharded",
+    "unshard_linen": "zpp_jax.shard_linen",
     "value_and_grad": "zpp_jax.sharded",
     "ZeroPPConfig": "zpp_jax.config",
     "make_mesh": "zpp_jax.mesh",

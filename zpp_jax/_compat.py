@@ -160,3 +160,62 @@ def coordination_client():
     from jax._src import distributed
 
     return distributed.global_state.client
+
+
+# -- axis names -------------------------------------------------------------------------
+
+# Parameters of the collectives (psum, pmax, all_gather, ppermute, all_to_all,
+# psum_scatter, axis_index) that name the axes they run over.
+_AXIS_PARAMS = ("axes", "axis_name")
+
+
+def bind_axis_name(fn: Callable, name: str, axes: tuple[str, ...], size: int) -> Callable:
+    """`fn` with every collective over the axis `name` run over `axes`
+    instead (`size` devices together), where `name` is not bound.
+
+    `fn` is traced with `name` bound to `size` (``jax.make_jaxpr``'s
+    ``axis_env``, so that a mean over it divides by `size`), the axis renamed
+    in its jaxpr and those it calls (jit, scan, cond, while, remat), and the
+    result evaluated. Collectives inside a ``custom_vjp``'s backward rule
+    are not reached. Relies on the collectives' parameter names
+    (`_AXIS_PARAMS`) and on `jax.core.eval_jaxpr`."""
+
+    def bound(*args):
+        closed, shape = jax.make_jaxpr(fn, axis_env=[(name, size)], return_shape=True)(*args)
+        jaxpr = _renamed(closed.jaxpr, name, axes)
+        out = jax.core.eval_jaxpr(jaxpr, closed.consts, *jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(shape), out)
+
+    return bound
+
+
+def _renamed(jaxpr: Jaxpr, name: str, axes: tuple[str, ...]) -> Jaxpr:
+    eqns = [_renamed_eqn(e, name, axes) for e in jaxpr.eqns]
+    if all(a is b for a, b in zip(eqns, jaxpr.eqns, strict=True)):
+        return jaxpr
+    return jaxpr.replace(eqns=eqns)
+
+
+def _renamed_eqn(eqn: JaxprEqn, name: str, axes: tuple[str, ...]) -> JaxprEqn:
+    params = {k: _renamed_param(k, v, name, axes) for k, v in eqn.params.items()}
+    if all(params[k] is v for k, v in eqn.params.items()):
+        return eqn
+    return eqn.replace(params=params)
+
+
+def _renamed_param(key: str, value: Any, name: str, axes: tuple[str, ...]) -> Any:
+    if isinstance(value, ClosedJaxpr):
+        inner = _renamed(value.jaxpr, name, axes)
+        return value if inner is value.jaxpr else ClosedJaxpr(inner, value.consts)
+    if isinstance(value, Jaxpr):
+        return _renamed(value, name, axes)
+    if isinstance(value, tuple) and any(isinstance(v, ClosedJaxpr | Jaxpr) for v in value):
+        new = tuple(_renamed_param(key, v, name, axes) for v in value)
+        return value if all(a is b for a, b in zip(new, value, strict=True)) else new
+    if key not in _AXIS_PARAMS:
+        return value
+    if value == name:
+        return axes
+    if isinstance(value, tuple) and name in value:
+        return tuple(a for v in value for a in (axes if v == name else (v,)))
+    return value

@@ -167,14 +167,23 @@ def on_mesh(tree, mesh: Mesh):
     return jax.tree.map(place, tree)
 
 
-def shard_dim(shape: tuple[int, ...], n: int, stacked: bool, keep_below: int = 0) -> int | None:
-    """The dimension a parameter is split along: the first one (after a
-    stack's layer axis) that N divides, so that a block is a contiguous run;
-    None (kept whole on every device) when none does, or when it holds
+def shard_dim(
+    shape: tuple[int, ...],
+    n: int,
+    stacked: bool,
+    keep_below: int = 0,
+    prefer: int | None = None,
+) -> int | None:
+    """The dimension a parameter is split along: `prefer` (a dimension its
+    partitioning metadata names) if N divides it, else the first one (after
+    a stack's layer axis) that N divides, so that a block is a contiguous
+    run; None (kept whole on every device) when none does, or when it holds
     fewer than `keep_below` elements (per layer of a stack)."""
     first = 1 if stacked and len(shape) > 1 else 0
     if math.prod(shape[first:]) < keep_below:
         return None
+    if prefer is not None and first <= prefer < len(shape) and shape[prefer] % n == 0:
+        return prefer
     for d in range(first, len(shape)):
         if shape[d] % n == 0:
             return d

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from zpp_jax.errors import UsageError
+from zpp_jax.paths import is_container, node_at
 
 COMBINES = ("batch", "mean", "sum")
 Outputs = str | Callable[[str, str], str | None] | None
@@ -63,6 +64,12 @@ def combine_outputs(info: Unit, stacked: tuple, local_batch: int | None) -> tupl
         jax.tree_util.tree_map_with_path(combine("output"), out),
         jax.tree_util.tree_map_with_path(combine("sow"), sown),
     )
+
+
+def combine_named(info: Unit, stacked: dict, local_batch: int | None) -> dict:
+    """Each device's values of `stacked` (name -> value with a leading
+    device axis) combined as `combine_outputs` combines an output."""
+    return {name: _combine(info, name, a, local_batch) for name, a in stacked.items()}
 
 
 def _combine(info: Unit, name: str, a: jax.Array, local_batch: int | None) -> jax.Array:
@@ -118,3 +125,38 @@ def _not_per_example(info: Unit, name: str, a: jax.Array, local_batch: int) -> s
         "outputs='mean') is exact for a mean over the rows, 'sum' for a sum over them, or a "
         "function (unit, output) -> 'batch' | 'mean' | 'sum' | None for each output"
     )
+
+
+# -- NNX's sown values ------------------------------------------------------------
+
+
+def emptied_sown(info: Unit, path, value):
+    """A sown value as it is before any sow: each device's call then sows
+    only its own values, which are combined and appended afterwards."""
+    if isinstance(value, dict):  # nnx.capture's record: one dict per variable type
+        return {}
+    if isinstance(value, tuple):  # sow's default reduction
+        return ()
+    raise UsageError(
+        f"unit {info.name} holds the sown value {'/'.join(map(str, path))} from an earlier call, "
+        f"reduced to a {type(value).__name__}; zpp merges sown values across devices only with "
+        "sow's default tuple reduction: use nnx.capture, or nnx.pop(model, nnx.Intermediate) "
+        "between calls"
+    )
+
+
+def merge_sown(module, info: Unit, path, var_type: type, key, value) -> None:
+    """Add what one call of a unit sowed (combined over the devices) to
+    `module`, as sow's default reduction would: tuples appended. `key`: the
+    entry of an `nnx.capture` record (a dict) at `path`, None for a sown
+    attribute."""
+    owner = node_at(module, path[:-1])
+    var = owner[path[-1]] if is_container(owner) else getattr(owner, path[-1], None)
+    if var is None:
+        setattr(owner, path[-1], var_type(value))
+    elif key is None:
+        var.set_value(append_sown(info, path[-1], var.get_value(), value))
+    else:
+        record = dict(var.get_value())
+        record[key] = append_sown(info, key, record[key], value) if key in record else value
+        var.set_value(record)

@@ -35,9 +35,12 @@ and, with hpZ, its secondary shard: never its full weights.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,8 +50,15 @@ from jax.sharding import Mesh
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.frozen import FrozenParam, FrozenWeights, call_operands, freeze_unit
-from zpp_jax.mesh import AXES, mesh_shape, on_mesh, place, shard_dim
-from zpp_jax.outputs import Outputs, append_sown, check_outputs
+from zpp_jax.mesh import AXES, mesh_shape, on_mesh
+from zpp_jax.metadata import (
+    SHARD_ALONG,
+    Rules,
+    check_shard_along,
+    place_variable,
+)
+from zpp_jax.on_device import check_batch_axis_name
+from zpp_jax.outputs import Outputs, check_outputs, emptied_sown, merge_sown
 from zpp_jax.partition import quant_float_dtypes
 from zpp_jax.paths import is_container, node_at, set_at
 from zpp_jax.unit import (
@@ -213,6 +223,9 @@ def shard(
     *,
     outputs: Outputs = None,
     freeze: nnx.filterlib.Filter | None = None,
+    batch_axis_name: str | None = None,
+    rules: Rules = None,
+    shard_along: Sequence[str] = SHARD_ALONG,
 ) -> nnx.Module:
     """Shard `model` for ZeRO++ over `mesh` (a `make_mesh` mesh), in place.
 
@@ -230,42 +243,37 @@ def shard(
         of paths. Units must not contain each other.
       compute_dtype: cast each unit's gathered weights to this dtype (mixed
         precision). Default None: the model's own dtypes, unchanged.
-      outputs: how a unit's outputs that are not per example combine over
-        the devices (`zpp_jax.outputs.combine_outputs`). A unit runs on each
-        device's rows of the batch: an output whose leading axis is the
-        rows' comes back as the global batch; anything else (an auxiliary
-        loss, a count over the batch) is that device's alone, and raises
-        UsageError unless declared here. "mean": the mean over the
-        devices (exact for a mean over the rows); "sum": the sum (exact
-        for a sum over them, such as a count); a function ``(unit path,
-        output) -> "batch" | "mean" | "sum" | None`` per output, the
-        output named ``output``, ``output[1]``, ``output['aux']`` (what the
-        unit returns) or ``sow['name']...`` (what it sows). Values that
-        are not linear in the batch (a product of two means, a variance)
-        are exact only if computed outside the unit from such outputs.
+      outputs: how a unit's outputs that are not per example (an auxiliary
+        loss, a count over the batch) combine over the devices: "mean"
+        (exact for a mean over the rows), "sum", or a function ``(unit
+        path, output name) -> "batch" | "mean" | "sum" | None``
+        (`zpp_jax.outputs.combine_outputs`). Undeclared, such an output
+        raises UsageError: it would be one device's alone.
       freeze: an NNX filter of parameters that train nothing (a LoRA's
         base: ``zpp_jax.lora.FROZEN``), kept as codes (`zpp_jax.frozen`).
+      batch_axis_name: the model's own name for the data-parallel devices,
+        as models written for ``pmap`` have it (``BatchNorm(axis_name=
+        "batch")``, ``lax.pmean(x, "batch")``): inside units its collectives
+        run over every device (`zpp_jax.on_device`). Without it, UsageError.
+      rules: logical axis rules for sharding names (default: those in scope).
+      shard_along: the mesh axes FSDP shards parameters over: a parameter
+        with sharding names is split along the dimension they map to one of
+        them (`zpp_jax.metadata`); `unshard` gives back the author's names.
 
     With ``config.error_feedback`` each unit also holds a `FeedbackResidual`;
-    take gradients with `zpp.value_and_grad` (or `zpp.sharded.grad`) so that it is
-    carried from step to step.
-
-    A model built abstractly (``nnx.eval_shape(lambda: MyModel(...))``) is
-    sharded abstractly: its parameters become `jax.ShapeDtypeStruct`s with
-    their shardings, nothing is allocated, and its steps can be compiled
-    (not run) for a mesh of devices that exist only as a compile target.
+    take gradients with `zpp.value_and_grad` so that it is carried from step
+    to step. A model built abstractly (``nnx.eval_shape``) is sharded
+    abstractly: nothing is allocated, and its steps can be compiled for a
+    mesh of devices that exist only as a compile target.
 
     Memory per device: each parameter's block (1/N) in its own dtype, whole
-    copies of parameters no dimension of which N divides, and with error
-    feedback (1 + 1/local) x each unit's size in ``config.residual_dtype``.
-    The model's other arrays (random-stream keys and counts, batch
-    statistics) are replicated on every device of the mesh.
+    copies of parameters no dimension of which N divides, with error
+    feedback (1 + 1/local) x each unit's size in ``config.residual_dtype``;
+    the model's other arrays are replicated on every device.
 
-    Values a unit sows (``self.sow(nnx.Intermediate, ...)``, with or without
-    `nnx.capture`) follow the same rule as its outputs, and are merged
-    into the model as a call on one device would (the default tuple
-    reduction). Decoding caches (`nnx.Cache`) whose leading axis is the
-    batch are split with it: a sharded model decodes as the model does.
+    Values a unit sows (``sow``, `nnx.capture`) follow its outputs' rule and
+    are merged as on one device; decoding caches (`nnx.Cache`) are split
+    with the batch, so a sharded model decodes as the model does.
 
     Raises:
       UsageError: a mesh without (`node`, `local`) axes, a policy that selects
@@ -273,16 +281,18 @@ def shard(
     """
     config = ZeroPPConfig.check(config)
     check_outputs(outputs)
-    n = _check_model(model, mesh, config)
+    check_batch_axis_name(batch_axis_name)
+    _check_model(model, mesh, config)
     units, frozen = _select(model, policy), freeze and nnx.filterlib.to_predicate(freeze)
+    dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
+    rules = rules if rules is not None else nn.get_logical_axis_rules()
+    along = check_shard_along(shard_along)
+    plan = _Plan(mesh, config, dtype, outputs, frozen, batch_axis_name, rules, along)
     for path in units:
-        _make_unit(
-            node_at(model, path), mesh, config, compute_dtype, n, _name(path), outputs, frozen
-        )
-    _place_outside_units(model, mesh, config, set(units), frozen)
-    # Everything else (random-stream keys and counts, batch statistics) whole
-    # on every device: a jitted step then takes it with the sharding it
-    # returns it with, and compiles once.
+        _make_unit(node_at(model, path), plan, _name(path))
+    _place_outside_units(model, plan, set(units))
+    # The rest whole on every device: a jitted step then takes it with the
+    # sharding it returns it with, and compiles once.
     return on_mesh(model, mesh)
 
 
@@ -316,22 +326,34 @@ def _check_model(model, mesh: Mesh, config: ZeroPPConfig) -> int:
     return nodes * local
 
 
-def _place_outside_units(model, mesh, config: ZeroPPConfig, unit_paths: set, frozen) -> None:
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How `shard` stores a model: its arguments, checked."""
+
+    mesh: Mesh
+    config: ZeroPPConfig
+    compute_dtype: Any
+    outputs: Outputs
+    frozen: Any  # a predicate (path, variable) -> bool, or None
+    batch_axis_name: str | None
+    rules: Any  # logical axis rules for the variables' sharding names
+    along: tuple[str, ...]  # mesh axes whose named dimension is split
+
+
+def _place_outside_units(model, plan: _Plan, unit_paths: set) -> None:
     """Parameters outside every unit: stored split the same way, gathered by
     XLA (unquantized) where the model's own code uses them; frozen ones as
     `FrozenParam`s."""
-    n = mesh.devices.size
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if any(path[: len(u)] == u for u in unit_paths):
             continue
-        value = var.get_value()
-        dim = shard_dim(np.shape(value), n, stacked=False, keep_below=config.persistence_threshold)
-        var.set_value(place(value, mesh, dim))
-        if frozen and frozen(path, var):
+        place_variable(var, plan.mesh, plan.config, False, plan.rules, plan.along)
+        if plan.frozen and plan.frozen(path, var):
             set_at(model, path, FrozenParam(var.get_value()))
 
 
-def _make_unit(module, mesh, config, compute_dtype, n, name, outputs, frozen=None):
+def _make_unit(module, plan: _Plan, name: str) -> None:
+    mesh, config, frozen = plan.mesh, plan.config, plan.frozen
     stacked = _looks_stacked(module)
     params = nnx.to_flat_state(nnx.state(module, nnx.Param))
     specs = ()
@@ -341,10 +363,8 @@ def _make_unit(module, mesh, config, compute_dtype, n, name, outputs, frozen=Non
         params = [(p, v) for p, v in params if not frozen(p, v)]
     dims = []
     for path, var in params:
-        value = var.get_value()
-        dim = shard_dim(np.shape(value), n, stacked, keep_below=config.persistence_threshold)
-        var.set_value(place(value, mesh, dim))
-        dims.append((path, dim, np.ndim(value)))
+        dim = place_variable(var, mesh, config, stacked, plan.rules, plan.along)
+        dims.append((path, dim, np.ndim(var.get_value())))
     if config.error_feedback:
         lead = 1 if stacked else 0
         call = [
@@ -362,12 +382,13 @@ def _make_unit(module, mesh, config, compute_dtype, n, name, outputs, frozen=Non
     module._zpp = UnitInfo(
         mesh,
         config,
-        None if compute_dtype is None else jnp.dtype(compute_dtype),
+        plan.compute_dtype,
         tuple(dims),
         stacked,
         name,
-        outputs,
+        plan.outputs,
         specs,
+        plan.batch_axis_name,
     )
     module.__class__ = _sharded_class(type(module))
 
@@ -394,7 +415,7 @@ def _unit_call(self, *args, **kwargs):
     sown_items = nnx.to_flat_state(sown)
     rest_items = nnx.to_flat_state(rest)
     stored = {path: (dim, ndim) for path, dim, ndim in info.dims}
-    emptied = [_emptied(info, path, var.get_value()) for path, var in sown_items]
+    emptied = [emptied_sown(info, path, var.get_value()) for path, var in sown_items]
     sown_types: dict[str, tuple] = {}  # what the call sowed: name -> (path, variable type)
 
     def run(values, rest_values, call_args, call_kwargs):
@@ -438,7 +459,7 @@ def _unit_call(self, *args, **kwargs):
         )
     nnx.update(self, with_values(rest_items, new_rest))
     for name, value in new_sown.items():
-        _merge_sown(self, info, *sown_types[name], value)
+        merge_sown(self, info, *sown_types[name], value)
     return out
 
 
@@ -446,35 +467,3 @@ def _state_kind(var: nnx.Variable) -> str:
     if isinstance(var, nnx.RngKey):
         return "key"
     return "cache" if isinstance(var, nnx.Cache) else "state"
-
-
-def _emptied(info: UnitInfo, path, value):
-    """A sown value as it is before any sow: each device's call then sows
-    only its own values, which are combined and appended afterwards."""
-    if isinstance(value, dict):  # nnx.capture's record: one dict per variable type
-        return {}
-    if isinstance(value, tuple):  # sow's default reduction
-        return ()
-    raise UsageError(
-        f"unit {info.name} holds the sown value {'/'.join(map(str, path))} from an earlier call, "
-        f"reduced to a {type(value).__name__}; zpp merges sown values across devices only with "
-        "sow's default tuple reduction: use nnx.capture, or nnx.pop(model, nnx.Intermediate) "
-        "between calls"
-    )
-
-
-def _merge_sown(module: nnx.Module, info: UnitInfo, path, var_type: type, key, value) -> None:
-    """Add what one call of a unit sowed (combined over the devices) to
-    `module`, as sow's default reduction would: tuples appended. `key`: the
-    entry of an `nnx.capture` record (a dict) at `path`, None for a sown
-    attribute."""
-    owner = node_at(module, path[:-1])
-    var = owner[path[-1]] if is_container(owner) else getattr(owner, path[-1], None)
-    if var is None:
-        setattr(owner, path[-1], var_type(value))
-    elif key is None:
-        var.set_value(append_sown(info, path[-1], var.get_value(), value))
-    else:
-        record = dict(var.get_value())
-        record[key] = append_sown(info, key, record[key], value) if key in record else value
-        var.set_value(record)

@@ -34,7 +34,17 @@ from jax.sharding import PartitionSpec as P
 from zpp_jax._compat import is_tracer
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
-from zpp_jax.mesh import AXES, mesh_shape, place, shard_dim
+from zpp_jax.mesh import AXES, place, shard_dim
+from zpp_jax.metadata import (
+    SHARD_ALONG,
+    Rules,
+    box_preference,
+    check_shard_along,
+    is_box,
+    reboxed,
+    unboxed,
+)
+from zpp_jax.on_device import check_batch_axis_name
 from zpp_jax.outputs import Outputs, append_sown, check_outputs
 from zpp_jax.overlap.relay import relay_scope
 from zpp_jax.partition import quant_float_dtypes
@@ -141,6 +151,9 @@ class ShardedLinen:
 
     def _apply(self, variables, args, kwargs):
         whole = kwargs.get("method") in (None, "__call__")  # another method may use no unit
+        if "params" in variables:  # zpp places the parameters: no box constrains them
+            params = jax.tree.map(unboxed, variables["params"], is_leaf=is_box)
+            variables = {**variables, "params": params}
         with (
             expect_units("the model's __call__", whole),
             relay_scope(),
@@ -164,7 +177,7 @@ class ShardedLinen:
 
 def _call_unit(module: nn.Module, info: UnitInfo, args, kwargs):
     variables = module.variables
-    params = flatten_dict(dict(variables.get("params", {})))
+    params = {p: unboxed(v) for p, v in flatten_dict(dict(variables.get("params", {}))).items()}
     others = {
         c: flatten_dict(dict(t)) for c, t in variables.items() if c not in ("params", RESIDUALS)
     }
@@ -222,7 +235,7 @@ def _call_unit(module: nn.Module, info: UnitInfo, args, kwargs):
     out, new_state, sown = run_unit(
         info,
         [(p, v, *stored[p]) for p, v in params.items()],
-        [(v, "state") for _, _, v in other_items] + [(k, "key") for k in rng_keys],
+        [(v, _state_kind(c)) for c, _, v in other_items] + [(k, "key") for k in rng_keys],
         residual,
         args,
         kwargs,
@@ -237,6 +250,14 @@ def _call_unit(module: nn.Module, info: UnitInfo, args, kwargs):
         )
     _put_collections(module, final)
     return out
+
+
+def _state_kind(collection: str) -> str:
+    """How a unit treats a collection's variables (`run_unit`'s kinds): the
+    autoregressive ``cache`` is split with the batch where its leading axis
+    is the batch's, as `nnx.Cache` is; every other one is whole on every
+    device and must come out the same on each."""
+    return "cache" if collection == "cache" else "state"
 
 
 def _mutable(module: nn.Module, others: dict):
@@ -291,6 +312,9 @@ def shard_linen(
     compute_dtype: jax.typing.DTypeLike | None = None,
     *,
     outputs: Outputs = None,
+    batch_axis_name: str | None = None,
+    rules: Rules = None,
+    shard_along: Sequence[str] = SHARD_ALONG,
 ) -> tuple[ShardedLinen, dict]:
     """Shard a Linen model for ZeRO++ over `mesh`.
 
@@ -305,18 +329,19 @@ def shard_linen(
       policy: which submodules are units: a function of the module path
         (a tuple of names) or a sequence of paths. Default:
         `default_linen_units`.
-      compute_dtype: cast each unit's gathered weights (mixed precision);
-        default None keeps the model's own dtypes.
+      compute_dtype: cast each unit's gathered weights (mixed precision).
       outputs: how a unit's outputs that are not per example combine over
         the devices, as for `zpp_jax.shard.shard` (unit paths are joined
         with "/"; what a unit sows is named ``sow['<collection>/<path>']``).
+      batch_axis_name: as for `zpp_jax.shard.shard`.
+      rules: as for `zpp_jax.shard.shard`.
+      shard_along: as for `zpp_jax.shard.shard`. Boxed parameters come back
+        in their boxes; `unshard_linen` gives them whole.
 
     With ``config.error_feedback`` the variables also hold a ``"zpp_residuals"``
-    collection (`RESIDUALS`): one zero residual per unit, split over the
-    devices ((1 + 1/local) x the unit's size per device). Pass it to `apply`
-    and differentiate the loss with respect to it as well: its "gradient" is
-    the next step's residuals (not a derivative; never give it to the
-    optimizer).
+    collection (`RESIDUALS`): a zero residual per unit ((1 + 1/local) x its
+    size per device). Pass it to `apply` and differentiate with respect to
+    it too: that "gradient" is the next step's residuals (never optimize it).
 
     Raises:
       UsageError: no ``"params"``, a policy that selects no unit or
@@ -324,42 +349,91 @@ def shard_linen(
     """
     config = ZeroPPConfig.check(config)
     check_outputs(outputs)
+    check_batch_axis_name(batch_axis_name)
     if isinstance(module, ShardedLinen):
         raise UsageError(
             "this model is already sharded (zpp.shard_linen ran on it): use it as it is, or "
             "shard the original module"
         )
-    if "params" not in variables:
-        raise UsageError("shard_linen needs the model's variables with a 'params' collection")
-    nodes, local = mesh_shape(mesh)
-    n = nodes * local
-    params = flatten_dict(dict(variables["params"]))
-    for path, value in params.items():
-        if jnp.dtype(jnp.result_type(value)) not in quant_float_dtypes():
-            raise UsageError(
-                f"parameter {'/'.join(path)} has dtype {jnp.dtype(jnp.result_type(value)).name}; "
-                "ZeRO++ shards float32, bfloat16 and float16 parameters"
-            )
-    check_block_sizes(config, [int(np.size(v)) for v in params.values()])
+    boxed = _checked_params(variables, config)
+    params = {path: unboxed(v) for path, v in boxed.items()}
     units = _select(params, policy)
     dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
-    infos, sharded, split_dims = {}, {}, {}
-    for path, value in params.items():
-        dim = shard_dim(np.shape(value), n, stacked=False, keep_below=config.persistence_threshold)
-        sharded[path], split_dims[path] = place(value, mesh, dim), dim
+    rules = rules if rules is not None else nn.get_logical_axis_rules()
+    sharded, split_dims = _placed(boxed, mesh, config, rules, check_shard_along(shard_along))
+    infos = {}
     for unit in units:
         dims = tuple(
             (p[len(unit) :], split_dims[p], np.ndim(params[p]))
             for p in params
             if p[: len(unit)] == unit
         )
-        infos[unit] = UnitInfo(mesh, config, dtype, dims, name="/".join(unit), outputs=outputs)
+        infos[unit] = UnitInfo(
+            mesh,
+            config,
+            dtype,
+            dims,
+            name="/".join(unit),
+            outputs=outputs,
+            batch_axis_name=batch_axis_name,
+        )
     replicated = NamedSharding(mesh, P())
     out = {c: jax.device_put(dict(v), replicated) for c, v in variables.items() if c != "params"}
     out["params"] = unflatten_dict(sharded)
     if config.error_feedback:
         out[RESIDUALS] = _zero_residuals(params, infos, mesh)
     return ShardedLinen(module, infos), out
+
+
+def _checked_params(variables: dict, config: ZeroPPConfig) -> dict:
+    """The ``"params"`` of `variables`, flat by path (boxed, if they were);
+    raises UsageError unless there are some, all floating point, and
+    `config`'s blocks fit them."""
+    if "params" not in variables:
+        raise UsageError("shard_linen needs the model's variables with a 'params' collection")
+    boxed = flatten_dict(dict(variables["params"]))
+    for path, value in boxed.items():
+        dtype = jnp.dtype(jnp.result_type(unboxed(value)))
+        if dtype not in quant_float_dtypes():
+            raise UsageError(
+                f"parameter {'/'.join(path)} has dtype {dtype.name}; "
+                "ZeRO++ shards float32, bfloat16 and float16 parameters"
+            )
+    check_block_sizes(config, [int(np.size(unboxed(v))) for v in boxed.values()])
+    return boxed
+
+
+def _placed(boxed: dict, mesh: Mesh, config: ZeroPPConfig, rules, along) -> tuple[dict, dict]:
+    """Each parameter of `boxed` (flat) stored split over the devices, in
+    its box if it had one, and the dimension it is split along."""
+    n, keep = mesh.devices.size, config.persistence_threshold
+    sharded, split_dims = {}, {}
+    for path, value in boxed.items():
+        raw, prefer = unboxed(value), box_preference(value, rules, along)
+        dim = shard_dim(np.shape(raw), n, stacked=False, keep_below=keep, prefer=prefer)
+        sharded[path], split_dims[path] = reboxed(value, place(raw, mesh, dim)), dim
+    return sharded, split_dims
+
+
+def unshard_linen(model: ShardedLinen, variables: dict) -> tuple[nn.Module, dict]:
+    """The module `shard_linen` wrapped, and a copy of `variables` with
+    every parameter whole on every device, in its box if it had one (the
+    author's names), and no error-feedback residuals: for evaluation,
+    generation and export. The sharded variables are left as they are.
+
+    Memory: the full model on every device.
+    """
+    if not isinstance(model, ShardedLinen):
+        raise UsageError("zpp.unshard_linen takes the model zpp.shard_linen returned")
+    mesh = next(iter(model.units.values())).mesh
+    whole = NamedSharding(mesh, P())
+
+    def gathered(value):
+        return reboxed(value, jax.device_put(unboxed(value), whole))
+
+    params = jax.tree.map(gathered, variables["params"], is_leaf=is_box)
+    out = {c: v for c, v in variables.items() if c not in ("params", RESIDUALS)}
+    return model.module, {**out, "params": params}
 
 
 def _select(params: dict, policy) -> list[tuple]:

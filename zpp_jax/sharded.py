@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from zpp_jax.errors import UsageError
 from zpp_jax.frozen import FrozenParam, FrozenWeights, decode_frozen
+from zpp_jax.metadata import restore_layout
 from zpp_jax.overlap import overlap_options, prefetches
 from zpp_jax.overlap.loops import unroll_relayed_loops
 from zpp_jax.overlap.relay import relay_scope
@@ -77,6 +78,7 @@ def unshard(model: nnx.Module) -> nnx.Module:
     replicated = NamedSharding(mesh, P())
     for _, var in nnx.to_flat_state(nnx.state(plain, nnx.Param)):
         var.set_value(jax.device_put(var.get_value(), replicated))
+        restore_layout(var)  # the author's sharding metadata
     return plain
 
 

@@ -102,6 +102,9 @@ class Trainer:
     for a LoRA) names the parameters that train nothing: they are stored
     as ``config.frozen_bits`` codes, get no gradient and no optimizer
     state, and stay bit for bit what they were.
+
+    `batch_axis_name`: the model's own name for the data-parallel devices
+    (``nnx.BatchNorm(axis_name="batch")``), as `zpp.shard` takes it.
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class Trainer:
         max_grad_norm: float | None = None,
         links: LinkModel | None = DEFAULT_LINKS,
         freeze=None,
+        batch_axis_name: str | None = None,
     ) -> None:
         check_links(links)
         self.links = links
@@ -130,7 +134,15 @@ class Trainer:
         self.mesh, self.num_devices = mesh, nodes * local
         self.config = ZeroPPConfig.check(config)
         self.loss_fn, self.grad_accum = loss_fn, grad_accum
-        sharded = shard(model, mesh, self.config, policy, compute_dtype, freeze=freeze)
+        sharded = shard(
+            model,
+            mesh,
+            self.config,
+            policy,
+            compute_dtype,
+            freeze=freeze,
+            batch_axis_name=batch_axis_name,
+        )
         self._param_specs = jax.tree.map(lambda a: a.sharding.spec, nnx.state(sharded, nnx.Param))
         self.abstract = any(
             isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(sharded))

@@ -33,10 +33,12 @@ from zpp_jax.errors import UsageError
 from zpp_jax.frozen import FrozenSpec, frozen_layout, frozen_wire
 from zpp_jax.layer import ShardedLayer
 from zpp_jax.mesh import AXES, mesh_shape, place, spec_along
-from zpp_jax.outputs import combine_outputs
+from zpp_jax.on_device import constraints_dropped, refused_inside, with_batch_axis
+from zpp_jax.outputs import combine_named, combine_outputs
 from zpp_jax.overlap import prefetches
 from zpp_jax.overlap.relay import current_chains
 from zpp_jax.partition import ParamLayout, call_layout
+from zpp_jax.pytrees import close_tree, describe, open_call, open_tree, write_back
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +53,7 @@ class UnitInfo:
     name: str = "<unit>"  # its path in the model, for messages and `outputs`
     outputs: Any = None  # how outputs that are not per-example combine (`combine_outputs`)
     frozen: tuple[FrozenSpec, ...] = ()  # split frozen parameters, stored as codes
+    batch_axis_name: str | None = None  # the model's own name for the data-parallel devices
 
 
 def unit_scope(name: str) -> str:
@@ -216,14 +219,16 @@ def run_unit(
         check_vma=False,
     )
     # The layer's custom_vjp cannot run under an eager shard_map: compile it.
-    (stacked, new_state, new_args), token = (jax.jit(mapped) if eager else mapped)(
-        *call.operands(token)
-    )
+    with refused_inside(info.name):
+        (stacked, new_state, new_args), token = (jax.jit(mapped) if eager else mapped)(
+            *call.operands(token)
+        )
     if token is not None:
         chains.put(info.mesh, token)
     call.update_args(new_args)
-    out, sown = combine_outputs(info, stacked, call.local_batch)
-    return out, new_state, sown
+    out, sown = combine_outputs(info, stacked[:2], call.local_batch)
+    call.write_back(combine_named(info, stacked[2], call.local_batch))
+    return close_tree(out), new_state, sown
 
 
 class _Call:
@@ -248,8 +253,11 @@ class _Call:
         else:
             residual = None
         self.residual = residual
-        self.arg_def, arg_state = nnx.split((args, kwargs))
+        # Dataclasses opened into their fields; NNX keeps non-array leaves static.
+        self.opened = open_call(args, kwargs, info.name)
+        self.arg_def, arg_state = nnx.split(self.opened)
         self.arg_items = nnx.to_flat_state(arg_state)
+        self.written: list[tuple] = []  # paths the code wrote into, found when traced
         self.batch = _batch_size(self.arg_items)
         if self.batch is not None and self.batch % n:
             raise UsageError(
@@ -281,37 +289,64 @@ class _Call:
                 values[key] = lax.stop_gradient(value) if key in self.frozen_keys else value
             if info.compute_dtype is not None:
                 values = {k: v.astype(info.compute_dtype) for k, v in values.items()}
-            call_args, call_kwargs = nnx.merge(
-                self.arg_def, with_values(self.arg_items, _fold(arg_values, arg_keys, index))
+            given = _fold(arg_values, arg_keys, index)
+            call_args, call_kwargs = close_tree(
+                nnx.merge(self.arg_def, with_values(self.arg_items, given))
             )
-            out, new_state, sown = run(
-                values, _fold(state_values, keys, index), call_args, call_kwargs
-            )
+            with constraints_dropped():
+                out, new_state, sown = run(
+                    values, _fold(state_values, keys, index), call_args, call_kwargs
+                )
+            out = open_tree(out, f"unit {info.name}'s output", statics=True)
             if len(new_state) != len(state_values):
                 raise UsageError(
                     f"unit {info.name} made new state in its call ({len(state_values)} "
                     f"variables before, {len(new_state)} after); create a unit's variables "
                     "(caches, counters) before sharding it, e.g. init_cache before zpp.shard"
                 )
-            _, new_arg_state = nnx.split((call_args, call_kwargs))
+            after = open_call(call_args, call_kwargs, info.name)
+            new_items = dict(nnx.to_flat_state(nnx.split(after)[1]))
             new_args = [
-                old if is_key or not isinstance(v, nnx.Variable) else v.get_value()
-                for (_, v), old, is_key in zip(
-                    nnx.to_flat_state(new_arg_state), arg_values, arg_keys, strict=True
-                )
+                old
+                if is_key or not isinstance(new_items.get(p), nnx.Variable)
+                else new_items[p].get_value()
+                for (p, _), old, is_key in zip(self.arg_items, arg_values, arg_keys, strict=True)
             ]
+            written = self._writes(new_items, given)
             new_state = [
                 old if is_key else new
                 for new, old, is_key in zip(new_state, state_values, keys, strict=True)
             ]
-            return jax.tree.map(lambda a: a[None], (out, sown)), new_state, new_args
+            stacked = jax.tree.map(lambda a: a[None], (out, sown, written))
+            return stacked, new_state, new_args
 
         return fn
+
+    def _writes(self, new_items: dict, given: list) -> dict:
+        """What the unit's code wrote into the containers passed to it (a
+        new key or item, or another array at a path), by `describe` name;
+        their paths are kept for `write_back`."""
+        given_at = {p: x for (p, _), x in zip(self.arg_items, given, strict=True)}
+        written = {
+            p: v
+            for p, v in new_items.items()
+            if not isinstance(v, nnx.Variable) and (p not in given_at or v is not given_at[p])
+        }
+        self.written = list(written)
+        return {describe(p): v for p, v in written.items()}
+
+    def write_back(self, combined: dict) -> None:
+        """Put what the unit's code wrote into its arguments, combined over
+        the devices, into the caller's own containers."""
+        if self.written:
+            values = {p: combined[describe(p)] for p in self.written}
+            write_back((self.args, self.kwargs), values, self.info.name)
 
     def local(self, run: Run, prefetch: bool) -> Callable:
         """What `jax.shard_map` runs on each device: the unit's code, through
         a `ShardedLayer` when it has parameters to gather."""
         fn, layout, config = self.on_device(run), self.layout, self.info.config
+        fn = with_batch_axis(fn, self.info.batch_axis_name, self.info.mesh.devices.size)
         frozen = None if self.frozen_layout is None else frozen_wire(config, self.frozen_layout)
 
         def leaves(full):
@@ -381,7 +416,7 @@ class _Call:
         ]
         if changed:
             items, values = zip(*changed, strict=True)
-            nnx.update((self.args, self.kwargs), with_values(items, values))
+            nnx.update(self.opened, with_values(items, values))  # the caller's variables
 
 
 def _split_params(params):
