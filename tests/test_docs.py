@@ -90,3 +90,13 @@ def test_the_top_level_is_a_users_api():
         assert zpp_jax.TokenDataset is zpp_jax.data.TokenDataset
     with pytest.warns(DeprecationWarning, match="use zpp_jax.lowlevel.to_primary_shards"):
         assert zpp_jax.shard_params is zpp_jax.lowlevel.to_primary_shards
+
+
+def test_the_adoption_page_and_its_tests_name_each_other():
+    """docs/guide/adoption.md names every test of tests/test_adoption.py,
+    and every test it names exists there."""
+    page = (ROOT / "docs" / "guide" / "adoption.md").read_text()
+    source = (ROOT / "tests" / "test_adoption.py").read_text()
+    tests = set(re.findall(r"^def (test_\w+)", source, flags=re.M))
+    named = set(re.findall(r"`(test_\w+)`", page))
+    assert tests == named, (sorted(tests - named), sorted(named - tests))
