@@ -215,7 +215,12 @@ def _loss_and_grads(family, config, mesh):
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param("llama_list", marks=pytest.mark.slow), "llama_scan", "tied_embedding"]
+    "name",
+    [
+        pytest.param("llama_list", marks=pytest.mark.slow),
+        "llama_scan",
+        pytest.param("tied_embedding", marks=pytest.mark.slow),
+    ],
 )
 def test_gpu_order_changes_the_order_not_the_math(name, mesh24, monkeypatch):
     """On a GPU mesh the units prefetch and relay (`ShardedLayer.relayed`:
@@ -538,9 +543,10 @@ def _temp_bytes(mesh, config, layers, scan):
 @pytest.mark.parametrize(
     "config",
     [
-        EXACT.replace(remat="full"),
+        # zeropp's case holds the secondary shard too; the others in the slow set
+        pytest.param(EXACT.replace(remat="full"), marks=pytest.mark.slow),
         zpp.ZeroPPConfig(remat="full"),
-        zpp.ZeroPPConfig(hpz=False, remat="full"),
+        pytest.param(zpp.ZeroPPConfig(hpz=False, remat="full"), marks=pytest.mark.slow),
     ],
     ids=["zero3", "zeropp", "qwz+qgz"],
 )
