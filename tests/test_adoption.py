@@ -234,6 +234,27 @@ def test_a_write_the_caller_cannot_hold_is_refused_naming_it(mesh24):
         model.apply(sharded, x)
 
 
+class CountingBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, seen: dict):
+        seen["calls"] = seen.get("calls", 0) + 1  # a Python int: fixed when traced
+        return nn.Dense(D)(x)
+
+
+def test_a_non_array_write_into_an_argument_is_refused(mesh24):
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return CountingBlock(name="counter")(x, {})
+
+    module = Net()
+    variables = module.init(jax.random.key(0), jnp.zeros((1, D)))
+    model, sharded = zpp.shard_linen(module, variables, mesh24, EXACT)
+    x = jax.device_put(np.ones((ROWS, D), np.float32), zpp.batch_sharding(mesh24))
+    with pytest.raises(UsageError, match=r"unit counter wrote a value that is not an array"):
+        model.apply(sharded, x)
+
+
 # -- a batch axis named in the model, as pmap-era models name it ----------------
 
 

@@ -159,6 +159,30 @@ def _refuse_hidden_arrays(x, path: str) -> None:
         )
 
 
+def static_leaves(tree: Any) -> dict[str, Any]:
+    """Every non-array leaf of `tree` by its key path: what a unit's code
+    may not write into its arguments (only arrays travel back)."""
+    opened = open_tree(tree, "the arguments", statics=True)
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        opened, is_leaf=lambda x: isinstance(x, Static) or _keeps(x)
+    )
+    return {jax.tree_util.keystr(p): x.value for p, x in flat if isinstance(x, Static)}
+
+
+def changed_statics(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The key paths of `after` that are new or hold another value."""
+    return [k for k, v in after.items() if k not in before or not _same(before[k], v)]
+
+
+def _same(a, b) -> bool:
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - an __eq__ that does not give a bool: not the same
+        return False
+
+
 def close_tree(tree: Any) -> Any:
     """`tree` as `open_tree` found it (copies of its dataclasses)."""
 

@@ -38,7 +38,15 @@ from zpp_jax.outputs import combine_named, combine_outputs
 from zpp_jax.overlap import prefetches
 from zpp_jax.overlap.relay import current_chains
 from zpp_jax.partition import ParamLayout, call_layout
-from zpp_jax.pytrees import close_tree, describe, open_call, open_tree, write_back
+from zpp_jax.pytrees import (
+    changed_statics,
+    close_tree,
+    describe,
+    open_call,
+    open_tree,
+    static_leaves,
+    write_back,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +266,7 @@ class _Call:
         self.arg_def, arg_state = nnx.split(self.opened)
         self.arg_items = nnx.to_flat_state(arg_state)
         self.written: list[tuple] = []  # paths the code wrote into, found when traced
+        self.statics = static_leaves((args, kwargs))
         self.batch = _batch_size(self.arg_items)
         if self.batch is not None and self.batch % n:
             raise UsageError(
@@ -312,7 +321,7 @@ class _Call:
                 else new_items[p].get_value()
                 for (p, _), old, is_key in zip(self.arg_items, arg_values, arg_keys, strict=True)
             ]
-            written = self._writes(new_items, given)
+            written = self._writes(after, new_items, given)
             new_state = [
                 old if is_key else new
                 for new, old, is_key in zip(new_state, state_values, keys, strict=True)
@@ -322,10 +331,17 @@ class _Call:
 
         return fn
 
-    def _writes(self, new_items: dict, given: list) -> dict:
+    def _writes(self, after, new_items: dict, given: list) -> dict:
         """What the unit's code wrote into the containers passed to it (a
         new key or item, or another array at a path), by `describe` name;
         their paths are kept for `write_back`."""
+        changed = changed_statics(self.statics, static_leaves(after))
+        if changed:
+            raise UsageError(
+                f"unit {self.info.name} wrote a value that is not an array into its arguments "
+                f"(at {changed[0]} of (args, kwargs)); only arrays are carried back to the "
+                "caller: return the value from the unit instead"
+            )
         given_at = {p: x for (p, _), x in zip(self.arg_items, given, strict=True)}
         written = {
             p: v
