@@ -220,20 +220,6 @@ class NestedWriter(nn.Module):
         return nn.Dense(D)(x)
 
 
-def test_a_write_the_caller_cannot_hold_is_refused_naming_it(mesh24):
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return NestedWriter(name="writer")(x, {})
-
-    module = Net()
-    variables = module.init(jax.random.key(0), jnp.zeros((1, D)))
-    model, sharded = zpp.shard_linen(module, variables, mesh24, EXACT)
-    x = jax.device_put(np.ones((ROWS, D), np.float32), zpp.batch_sharding(mesh24))
-    with pytest.raises(UsageError, match=r"unit writer wrote positional argument 1\['inner'\]"):
-        model.apply(sharded, x)
-
-
 class CountingBlock(nn.Module):
     @nn.compact
     def __call__(self, x, seen: dict):
@@ -241,18 +227,31 @@ class CountingBlock(nn.Module):
         return nn.Dense(D)(x)
 
 
-def test_a_non_array_write_into_an_argument_is_refused(mesh24):
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return CountingBlock(name="counter")(x, {})
+class CallsWithADict(nn.Module):
+    """A model whose one child, `block` (named "child"), is given a new dict."""
 
-    module = Net()
+    block: type
+
+    @nn.compact
+    def __call__(self, x):
+        return self.block(name="child")(x, {})
+
+
+def _apply_sharded_linen(module, mesh):
     variables = module.init(jax.random.key(0), jnp.zeros((1, D)))
-    model, sharded = zpp.shard_linen(module, variables, mesh24, EXACT)
-    x = jax.device_put(np.ones((ROWS, D), np.float32), zpp.batch_sharding(mesh24))
-    with pytest.raises(UsageError, match=r"unit counter wrote a value that is not an array"):
-        model.apply(sharded, x)
+    model, sharded = zpp.shard_linen(module, variables, mesh, EXACT)
+    x = jax.device_put(np.ones((ROWS, D), np.float32), zpp.batch_sharding(mesh))
+    return model.apply(sharded, x)
+
+
+def test_a_write_the_caller_cannot_hold_is_refused_naming_it(mesh24):
+    with pytest.raises(UsageError, match=r"unit child wrote positional argument 1\['inner'\]"):
+        _apply_sharded_linen(CallsWithADict(NestedWriter), mesh24)
+
+
+def test_a_non_array_write_into_an_argument_is_refused(mesh24):
+    with pytest.raises(UsageError, match=r"unit child wrote a value that is not an array"):
+        _apply_sharded_linen(CallsWithADict(CountingBlock), mesh24)
 
 
 # -- a batch axis named in the model, as pmap-era models name it ----------------
