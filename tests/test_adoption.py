@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_shard import EXACT, FULL, _norm_rel
+from test_shard import EXACT, FULL, _norm_rel, optimizer
 from test_shard_convergence import GAP, STEPS
 
 import zpp_jax as zpp
@@ -43,9 +43,10 @@ def _assert_close(losses, want, grads, want_grads):
 # -- NNX: the loop every pattern below trains with ------------------------------
 
 
-def nnx_train(model, loss, steps: int, mesh=None):
-    """AdamW on `loss(model, batch)`: the losses and the step-1 gradients."""
-    optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+def nnx_train(model, loss, steps: int, mesh=None, tx=None):
+    """`tx` (default AdamW) on `loss(model, batch)`: the losses and the
+    step-1 gradients."""
+    optimizer = nnx.Optimizer(model, tx or optax.adamw(1e-2), wrt=nnx.Param)
 
     @nnx.jit
     def step(model, optimizer, batch):
@@ -177,9 +178,10 @@ def _act_loss(out, batch):
     return jnp.mean((y - batch["y"]) ** 2) + 0.1 * jnp.mean(act["block_1"] ** 2)
 
 
-def linen_train(module, variables, loss, steps: int, mesh=None, apply=None):
-    """AdamW on `loss(module output, batch)` over ``variables['params']``."""
-    apply, tx = apply or module.apply, optax.adamw(1e-2)
+def linen_train(module, variables, loss, steps: int, mesh=None, apply=None, tx=None):
+    """`tx` (default AdamW) on `loss(module output, batch)` over
+    ``variables['params']``."""
+    apply, tx = apply or module.apply, tx or optax.adamw(1e-2)
     params = variables["params"]
     rest = {k: v for k, v in variables.items() if k != "params"}
     opt_state = tx.init(params)
@@ -332,9 +334,9 @@ class LinenSyncNet(nn.Module):
         return nn.Dense(D, name="head")(x)
 
 
-def linen_stats_train(module, variables, steps, mesh=None, apply=None):
+def linen_stats_train(module, variables, steps, mesh=None, apply=None, tx=None):
     """`linen_train` with the batch statistics updated each step."""
-    apply, tx = apply or module.apply, optax.adamw(1e-2)
+    apply, tx = apply or module.apply, tx or optax.adamw(1e-2)
     params, stats = variables["params"], variables["batch_stats"]
     opt_state = tx.init(params)
 
@@ -579,55 +581,55 @@ def test_linen_greedy_decoding_with_a_cache_gives_one_devices_tokens(mesh24):
 # it, as the tests above show) or sharded with `config`.
 
 
-def _pytree_losses(config, mesh, steps):
+def _pytree_losses(config, mesh, steps, tx):
     model = PytreeNet(nnx.Rngs(0))
     if config is None:
-        return nnx_train(model, _mse, steps)[0]
-    return nnx_train(zpp.shard(model, mesh, config), _mse, steps, mesh)[0]
+        return nnx_train(model, _mse, steps, tx=tx)[0]
+    return nnx_train(zpp.shard(model, mesh, config), _mse, steps, mesh, tx)[0]
 
 
-def _linen_losses(module, variables, loss, config, mesh, steps):
+def _linen_losses(module, variables, loss, config, mesh, steps, tx):
     if config is None:
-        return linen_train(module, variables, loss, steps)[0]
+        return linen_train(module, variables, loss, steps, tx=tx)[0]
     model, sharded = zpp.shard_linen(module, variables, mesh, config)
-    return linen_train(module, sharded, loss, steps, mesh, model.apply)[0]
+    return linen_train(module, sharded, loss, steps, mesh, model.apply, tx)[0]
 
 
-def _writes_losses(config, mesh, steps):
+def _writes_losses(config, mesh, steps, tx):
     variables = ActNet().init(jax.random.key(0), jnp.zeros((1, D)))
-    return _linen_losses(ActNet(), variables, _act_loss, config, mesh, steps)
+    return _linen_losses(ActNet(), variables, _act_loss, config, mesh, steps, tx)
 
 
-def _named_axis_losses(config, mesh, steps):
+def _named_axis_losses(config, mesh, steps, tx):
     if config is None:
-        return nnx_train(SyncNet(None, nnx.Rngs(0)), _mse, steps)[0]
+        return nnx_train(SyncNet(None, nnx.Rngs(0)), _mse, steps, tx=tx)[0]
     model = zpp.shard(SyncNet("batch", nnx.Rngs(0)), mesh, config, batch_axis_name="batch")
-    return nnx_train(model, _mse, steps, mesh)[0]
+    return nnx_train(model, _mse, steps, mesh, tx)[0]
 
 
-def _linen_named_axis_losses(config, mesh, steps):
+def _linen_named_axis_losses(config, mesh, steps, tx):
     variables = LinenSyncNet(None).init(jax.random.key(0), jnp.zeros((2, D)))
     if config is None:
-        return linen_stats_train(LinenSyncNet(None), variables, steps)[0]
+        return linen_stats_train(LinenSyncNet(None), variables, steps, tx=tx)[0]
     module = LinenSyncNet("batch")
     model, sharded = zpp.shard_linen(module, variables, mesh, config, batch_axis_name="batch")
-    return linen_stats_train(module, sharded, steps, mesh, model.apply)[0]
+    return linen_stats_train(module, sharded, steps, mesh, model.apply, tx)[0]
 
 
-def _boxed_losses(config, mesh, steps):
+def _boxed_losses(config, mesh, steps, tx):
     module = BoxedNet()
     with nn.logical_axis_rules(RULES):
         variables = module.init(jax.random.key(0), jnp.zeros((2, D)))
-        return _linen_losses(module, variables, _boxed_loss, config, mesh, steps)
+        return _linen_losses(module, variables, _boxed_loss, config, mesh, steps, tx)
 
 
-def _named_nnx_losses(config, mesh, steps):
+def _named_nnx_losses(config, mesh, steps, tx):
     user_mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
     with jax.set_mesh(user_mesh):
         made = PartitionedNet(nnx.Rngs(0))
         if config is None:
-            return nnx_train(made, _mse, steps)[0]
-    return nnx_train(zpp.shard(made, mesh, config), _mse, steps, mesh)[0]
+            return nnx_train(made, _mse, steps, tx=tx)[0]
+    return nnx_train(zpp.shard(made, mesh, config), _mse, steps, mesh, tx)[0]
 
 
 TRAINING_PATTERNS = {
@@ -644,9 +646,9 @@ TRAINING_PATTERNS = {
 @pytest.mark.parametrize("name", TRAINING_PATTERNS)
 def test_every_pattern_trains_with_zeropp_like_zero3(name, mesh24):
     """qwZ, hpZ and qgZ at their defaults: the loss after STEPS within GAP
-    of ZeRO-3's (the README's bound; ZeRO-3 in the exact mode is one
-    device's, as the tests above hold it)."""
-    zero3 = TRAINING_PATTERNS[name](None, mesh24, STEPS)
-    zeropp = TRAINING_PATTERNS[name](FULL, mesh24, STEPS)
-    assert zero3[-1] < 0.9 * zero3[0]  # the task is learned
+    of ZeRO-3's, with the optimizer the README's bound was measured with
+    (ZeRO-3 in the exact mode is one device's, as the tests above hold it)."""
+    zero3 = TRAINING_PATTERNS[name](None, mesh24, STEPS, optimizer())
+    zeropp = TRAINING_PATTERNS[name](FULL, mesh24, STEPS, optimizer())
+    assert np.mean(zero3[-5:]) < 0.95 * np.mean(zero3[:5])  # it learns (per batch: noisy)
     assert abs(zeropp[-1] - zero3[-1]) <= GAP * zero3[-1], (zeropp[-1], zero3[-1])
