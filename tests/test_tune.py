@@ -191,6 +191,9 @@ def test_zpp_tune_writes_the_fastest_setting_it_measured(tmp_path):
     rows = chosen["rows"]
     assert sum(bool(r.get("confirmed")) for r in rows) == 3
     assert all(r["search_step_s"] > 0 for r in rows if r.get("confirmed"))
+    # No gradient is spent on a setting the budget leaves out.
+    spent = [r for r in rows if r.get("note") == "not compiled: --budget spent"]
+    assert len(spent) >= 8 and not any("grad_error" in r for r in spent)
     assert "(the first 3 timed again side by side, and chosen among)" in lines
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "--overwrite" in again.stderr

@@ -202,7 +202,9 @@ class Tuner:
         """Measure `group` in the order of their link bounds, pruning those
         that cannot beat the fastest eligible step so far, and compiling
         none whose gradient error exceeds ``--max-grad-error`` (measured
-        first: one gradient per distinct quantization)."""
+        first: one gradient per distinct quantization). Once ``--budget``
+        compiles are spent, the rest are listed unmeasured: no gradient is
+        computed for a setting that will not be compiled."""
         nodes, local = self.mesh.devices.shape
         bound = {c.name: 0.0 for c in group}
         if self.link is not None:
@@ -215,12 +217,13 @@ class Tuner:
             if bound[c.name] >= self.best_step():
                 row["note"] = "pruned: its link time alone exceeds the fastest step"
                 continue
+            if self.compiles >= self.cfg.budget:
+                row["note"] = "not compiled: --budget spent"
+                continue
             row["grad_error"] = error = self.gradient_error(c.config)
             if not within_error(error, self.cfg.max_grad_error):
                 limit = f"--max-grad-error {self.cfg.max_grad_error:g}"
                 row["note"] = f"not compiled: gradient error {error:.2e} > {limit}"
-            elif self.compiles >= self.cfg.budget:
-                row["note"] = "not compiled: --budget spent"
             else:
                 self.measure(row)
                 self.compiles += 1
