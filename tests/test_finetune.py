@@ -87,6 +87,7 @@ def _train(tmp_path, ckpt, data, *extra):
     return main([*args, *extra])
 
 
+@pytest.mark.slow  # training runs
 def test_train_from_a_checkpoint_starts_from_its_weights(tmp_path, capfd):
     """The first step's loss is the checkpoint's own loss on the first batch
     (the weights, tokenizer and completion-only weights all as loaded), in

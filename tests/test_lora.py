@@ -75,6 +75,7 @@ def test_a_sharded_lora_computes_what_the_plain_model_does(bits):
         np.testing.assert_allclose(got[key].get_value(), value.get_value(), rtol=0, atol=1e-8)
 
 
+@pytest.mark.slow  # a training run
 def test_training_moves_the_adapters_alone_and_keeps_the_base_bits():
     """Five steps of the Trainer with every technique on (qwZ, hpZ, qgZ
     with error feedback) and a 4-bit base: the stored codes and the frozen

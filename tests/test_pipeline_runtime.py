@@ -74,6 +74,7 @@ def reference():
     return model, tokens, targets, *_reference(model, tokens, targets)
 
 
+@pytest.mark.slow  # the scanned Llama's case stays in the loop
 def test_pipelined_loss_and_gradients_equal_the_model(reference):
     """4 stages, slices in any order and more of them than stages. (Two
     stages: the Llama's test below, and tests/test_pipeline_train.py.)"""

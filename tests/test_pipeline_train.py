@@ -65,6 +65,7 @@ def test_pipelined_training_equals_unpipelined(reference, stage_zero):
     assert [r["skipped"] for r in got] == [0] * 5
 
 
+@pytest.mark.slow  # the GPT's case (test_pipelined_training_equals_unpipelined) stays in the loop
 def test_pipelined_llama_training_equals_unpipelined():
     """`--arch llama` (rotary positions, grouped key/value heads, its layers
     a Python list) through 2 stages with ZeRO-3 inside them: the losses and
@@ -112,6 +113,7 @@ def test_resume_of_a_pipelined_run_is_bitwise(tmp_path):
 CFG4 = GPTConfig(seq_len=32, d_model=32, n_layers=4, n_heads=4, d_ff=64, dtype="float32")
 
 
+@pytest.mark.slow  # a compiled training step of its own
 def test_a_layer_is_gathered_once_per_training_step():
     """ZeRO++ inside 2 stages of 2 nodes x 2, 4 slices (M + K - 1 = 5
     pipeline steps): in the compiled gradient step every all-gather runs

@@ -74,6 +74,7 @@ def test_a_directory_of_another_run_is_not_reused(tmp_path, capfd):
     assert [r["step"] for r in _records(metrics)] == [1, 2]
 
 
+@pytest.mark.slow  # training runs
 def test_skipped_steps_do_not_collide_and_leave_the_state(tmp_path):
     """Case 2 and the update check: once the warmup has passed, a learning
     rate that overflows float16 parameters makes the updates non-finite, so
@@ -87,6 +88,7 @@ def test_skipped_steps_do_not_collide_and_leave_the_state(tmp_path):
     assert _steps(ckpt) == [2, 4, 5]
 
 
+@pytest.mark.slow  # training runs
 def test_resume_from_nothing_or_past_the_end_says_so(tmp_path, capfd):
     """Case 6: --resume on an empty directory starts a new run and says so;
     on a checkpoint at --steps it has nothing to do and says so; past

@@ -84,6 +84,7 @@ def test_zero3_step_with_clipping_equals_unsharded(mesh):
     assert Trainer.steps_done(state) == 1
 
 
+@pytest.mark.slow  # clipping stays in the loop: test_zero3_step_with_clipping_equals_unsharded
 def test_max_grad_norm_clips_as_optax_does(mesh24):
     """`max_grad_norm` (the norm from one all-reduce) gives the step of
     ``optax.clip_by_global_norm`` first in the chain; a norm below it
@@ -127,7 +128,8 @@ def test_batch_must_split_evenly(mesh24):
         tr.train_step.trace(tr.abstract_state(), batch)
 
 
-@pytest.mark.parametrize("error_feedback", [False, True])
+# Without error feedback in the slow set: the case with it takes the same path and more.
+@pytest.mark.parametrize("error_feedback", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_nan_gradient_skips_the_step(mesh24, error_feedback):
     def poisoned_loss(model, batch):
         ce = cross_entropy(model(batch["inputs"]), batch["targets"])
@@ -180,6 +182,7 @@ def test_zeropp_learns_context():
         assert records[-1]["val_loss"] < unigram_entropy, (zero, records[-1])
 
 
+@pytest.mark.slow  # a step compiled for a mesh of its own
 def test_single_node_mesh(mesh24):
     # 1 x 8: hierarchical steps over the node axis are skipped.
     tr = Trainer(GPT(CFG, nnx.Rngs(0)), optax.adam(1e-2), make_mesh(1, 8), ZeroPPConfig())
