@@ -31,10 +31,11 @@ _inherited = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
 _OWNER = not os.path.basename(_inherited).startswith(_PREFIX)
 _CACHE = tempfile.mkdtemp(prefix=_PREFIX) if _OWNER else _inherited
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
-# Only programs that take a while to compile are written: the subprocesses'
-# steps are, the thousands of small programs of eager array operations in
-# the tests are not worth the writes.
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+# Every program is written, the small ones too: a subprocess (`zpp train`,
+# a launched node, a README block) compiles some fifty small programs of
+# its own besides its step (initializers, the optimizer's set-up, the
+# metrics), the same in every one of them.
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
