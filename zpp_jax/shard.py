@@ -296,16 +296,16 @@ def shard(
     return on_mesh(model, mesh)
 
 
-def _check_model(model, mesh: Mesh, config: ZeroPPConfig) -> int:
-    """The devices of `mesh`; raises UsageError unless `model` is an NNX
-    module not yet sharded, with floating-point parameters that `config`'s
-    blocks fit, and `mesh` a (`node`, `local`) mesh."""
+def _check_model(model, mesh: Mesh, config: ZeroPPConfig) -> None:
+    """Raise UsageError unless `model` is an NNX module not yet sharded,
+    with floating-point parameters that `config`'s blocks fit, and `mesh` a
+    (`node`, `local`) mesh."""
     if not isinstance(model, nnx.Module):
         raise UsageError(
             f"zpp.shard takes a Flax NNX module, got {type(model).__name__}; for Linen use "
             "zpp.shard_linen"
         )
-    nodes, local = mesh_shape(mesh)
+    mesh_shape(mesh)  # raises for a mesh without (node, local) axes
     floats = quant_float_dtypes()
     for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         dtype = jnp.result_type(value.get_value())
@@ -323,7 +323,6 @@ def _check_model(model, mesh: Mesh, config: ZeroPPConfig) -> int:
             "this model is already sharded (zpp.shard ran on it): use it as it is, or shard "
             "zpp.unshard(model) for another mesh or config"
         )
-    return nodes * local
 
 
 @dataclasses.dataclass(frozen=True)
