@@ -11,16 +11,6 @@ import tempfile
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The suite compiles hundreds of small programs, where XLA:CPU's code
-# generation costs far more than the programs take to run: LLVM without
-# optimizations, and the older elemental emitters for fusions (a third of the
-# compile time of a training step). The numbers are IEEE arithmetic either
-# way, and the collectives and buffers the tests read are the same.
-_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
-_flags = os.environ.get("XLA_FLAGS", "").split()
-os.environ["XLA_FLAGS"] = " ".join(
-    _flags + [f for f in _FAST_COMPILE if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]
-)
 # One compilation cache for the session, so that a subprocess compiling the
 # same program as an earlier one (a resumed run, the second node of a launch)
 # loads it instead. A fresh directory each session, made by the process that
@@ -36,6 +26,26 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
 # its own besides its step (initializers, the optimizer's set-up, the
 # metrics), the same in every one of them.
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
+# Importing jax reads no XLA flag: XLA reads XLA_FLAGS when the first
+# backend starts, below.
+from zpp_jax._compat import known_xla_flags  # noqa: E402
+
+# The suite compiles hundreds of small programs, where XLA:CPU's code
+# generation costs far more than the programs take to run: LLVM without
+# optimizations. The numbers are IEEE arithmetic either way, and the
+# collectives and buffers the tests read are the same. XLA aborts a process
+# whose XLA_FLAGS names a flag its jaxlib lacks, so the session's first
+# process asks this jaxlib which it knows, sets those, and leaves the rest
+# out with a note in the report's header; the workers and the subprocesses
+# inherit what it set.
+_FAST_COMPILE = ("--xla_backend_optimization_level=0",)
+_LEFT_OUT = "ZPP_TESTS_XLA_FLAGS_LEFT_OUT"
+if _OWNER:
+    _given = os.environ.get("XLA_FLAGS", "")
+    _kept, _lacking = known_xla_flags(f for f in _FAST_COMPILE if f.split("=")[0] not in _given)
+    os.environ["XLA_FLAGS"] = " ".join([*_given.split(), *_kept])
+    os.environ[_LEFT_OUT] = " ".join(_lacking)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -62,6 +72,13 @@ _LONGEST_FIRST = (
     "test_readme.py",
     "test_checkpoint.py",
 )
+
+
+def pytest_report_header(config):
+    lacking = os.environ.get(_LEFT_OUT)
+    if lacking:
+        return f"XLA flags left out, this jaxlib lacks them: {lacking}"
+    return None
 
 
 def pytest_collection_modifyitems(items):

@@ -10,6 +10,7 @@ from flax import nnx
 from test_shard import lm_gradient_step, relay_as_on_a_gpu
 
 import zpp_jax as zpp
+from zpp_jax import _compat
 from zpp_jax.models import GPT, GPTConfig
 from zpp_jax.overlap.loops import relay_loops
 from zpp_jax.overlap.relay import is_relay_end, is_relay_start, relay_end, relay_start
@@ -55,8 +56,9 @@ def test_a_relaying_loop_carries_its_token_and_is_unrolled():
     closed = jax.make_jaxpr(jax.jit(_layers))(h, ws)
     rewritten = relay_loops(closed.jaxpr)
     (before,), (after,) = _scans(closed.jaxpr), _scans(rewritten)
-    assert (before.params["num_carry"], before.params["unroll"]) == (1, 1)
-    assert (after.params["num_carry"], after.params["unroll"]) == (2, 5)
+    carries = lambda loop: _compat.scan_carry(loop)[1]  # noqa: E731
+    assert (carries(before), before.params["unroll"]) == (1, 1)
+    assert (carries(after), after.params["unroll"]) == (2, 5)
     body = after.params["jaxpr"].jaxpr
     # The fresh token is made once, before the loop; the body takes it as a
     # carry and hands on the last unit's.
@@ -112,7 +114,7 @@ def test_the_loop_joins_the_chain_of_the_units_around_it():
     assert len(markers(rewritten, is_relay_start)) == 1  # only the first unit's
     (loop,) = _scans(rewritten)
     first_end = markers(rewritten, is_relay_end)[0]
-    at_in = loop.params["num_consts"] + loop.params["num_carry"] - 1  # the token carry
+    at_in = _compat.scan_carry(loop)[0] - 1  # the token carry
     assert loop.invars[at_in] is first_end.outvars[0]
     got = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(rewritten, closed.consts))(h, ws)
 

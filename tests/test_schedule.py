@@ -18,10 +18,26 @@ def test_cpu_mesh_compiles_in_order_with_no_options():
 def test_gpu_options_turn_on_the_latency_hiding_scheduler_and_pipeliners():
     flags = overlap_options("gpu")
     assert flags["xla_gpu_enable_latency_hiding_scheduler"] is True
-    assert flags["xla_gpu_enable_pipelined_all_gather"] is True
+    on = "COLLECTIVE_PIPELINING_MODE_ON"
+    assert [flags[f"xla_gpu_pipeline_{kind}"] for kind in KINDS] == [on] * 3
     assert flags == overlap_options("cuda")
-    flags["xla_gpu_enable_pipelined_all_gather"] = False  # a copy, not the engine's own
-    assert overlap_options("gpu")["xla_gpu_enable_pipelined_all_gather"] is True
+    flags["xla_gpu_pipeline_all_gather"] = "COLLECTIVE_PIPELINING_MODE_OFF"  # a copy
+    assert overlap_options("gpu")["xla_gpu_pipeline_all_gather"] == on
+
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def test_this_jaxlib_accepts_every_option_the_engine_compiles_with(recwarn):
+    """Checked against the installed XLA, not assumed: a compile with all of
+    them succeeds, and none was left out (which would warn)."""
+    import jax
+
+    options = overlap_options("gpu", unrolled=True)
+    assert len(options) == 8
+    lowered = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((2,), "float32"))
+    lowered.compile(options)
+    assert [str(w.message) for w in recwarn] == []
 
 
 def test_unrolled_units_let_collectives_of_different_kinds_overlap():
