@@ -321,7 +321,10 @@ class TokenPipeline:
             total = total + jnp.where(last, jnp.sum(jnp.where(valid, nll, 0.0)), 0.0)
 
             if step + 1 < m + k_stages - 1:
-                out = jnp.zeros((b, pmax, dec.d_model), dtype).at[:, :pad].set(x.astype(dtype))
+                # Padded, not scattered into zeros: a scatter's index array is
+                # empty here, and jaxlib 0.11.2 crashes compiling a zero-size
+                # array that enters a shard_map (`zpp_jax._compat`).
+                out = jnp.pad(x.astype(dtype), ((0, 0), (0, pmax - pad), (0, 0)))
                 perm = [(s, s + 1) for s in range(k_stages - 1)]
                 carry = lax.ppermute(out, STAGE, perm) if perm else out
         return total / (b * seq)
