@@ -1,6 +1,7 @@
 """The Pallas kernels against the plain-JAX reference: bit for bit in
 interpret mode, and lowering for CUDA from this CPU-only machine."""
 
+import contextlib
 import re
 from collections import Counter
 
@@ -237,8 +238,27 @@ def test_aligned_multi_tile_sizes():
         )
 
 
+# The GPU the kernels are lowered for: an H200 (sm_90). Triton lowers for
+# a compute capability, which JAX reads from the current abstract mesh's
+# device when no GPU is attached (jax 0.11 and later).
+H200 = jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
+
+
+def _on_h200():
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200))
+
+
 def _lowered_for(f, args, platform):
-    return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    """`f`'s StableHLO for `platform`: the kernels' for an H200 on "cuda"."""
+    with _on_h200() if platform == "cuda" else contextlib.nullcontext():
+        return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_the_target_is_sm_90():
+    from jax.experimental.pallas import triton as plgpu
+
+    with _on_h200():
+        assert plgpu.get_gpu_info().compute_capability == 90
 
 
 _TRITON_CALL = re.compile(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "(\w+)"')
@@ -334,7 +354,10 @@ def test_lowers_for_cuda_with_the_kernel_and_for_cpu_without(name):
 
 def test_engine_step_lowers_for_cuda(mesh24):
     """A whole sharded layer's gradient (qwZ, hpZ, qgZ with error feedback)
-    lowers for CUDA with exactly the kernels the algorithm calls."""
+    lowers for CUDA with exactly the kernels the algorithm calls. The
+    shard_map runs over a mesh of the same shape whose devices are H200s:
+    each equation lowers for the device of the mesh it was traced on."""
+    from jax.sharding import AbstractMesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from zpp_jax import ZeroPPConfig
@@ -344,6 +367,7 @@ def test_engine_step_lowers_for_cuda(mesh24):
     params = init_block(jax.random.key(0), 16, 32)
     shards, layout = to_primary_shards(params, mesh24)
     layer = ShardedLayer(block, layout, ZeroPPConfig(error_feedback=True))
+    gpus = AbstractMesh(mesh24.axis_sizes, mesh24.axis_names, abstract_device=H200)
 
     def local(shard, x, residual):
         def loss(shard, residual):
@@ -353,13 +377,21 @@ def test_engine_step_lowers_for_cuda(mesh24):
 
     f = jax.shard_map(
         local,
-        mesh=mesh24,
+        mesh=gpus,
         in_specs=(primary_spec(), P(AXES), primary_spec()),
         out_specs=(primary_spec(), primary_spec()),
         check_vma=False,
     )
-    residual = layer.init_residuals(mesh24)
-    text = _lowered_for(f, (shards, jnp.ones((8, 4, 16)), residual), "cuda")
+
+    def on_gpus(tree, spec):
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(gpus, spec)),
+            tree,
+        )
+
+    args = (shards, jnp.ones((8, 4, 16)), layer.init_residuals(mesh24))
+    specs = (primary_spec(), P(AXES), primary_spec())
+    text = _lowered_for(f, tuple(map(on_gpus, args, specs)), "cuda")
     assert triton_kernels(text) == Counter(
         {
             # forward: quantize this device's shard (qwZ); dequantize the

@@ -9,7 +9,7 @@ the (`node`, `local`) mesh over them. A model built with
 (``trainer.compile_step``) to the GPU's optimized, scheduled program with
 its Triton kernels through ptxas, and its memory analysis; nothing runs.
 
-Needs the CUDA plugin (``pip install "zpp-jax[gpu-aot]"``) and, on a
+Needs a CUDA plugin (``pip install "zpp-jax[gpu-aot]"``) and, on a
 machine without a GPU, ``JAX_PLATFORMS=cpu`` (the plugin cannot start
 without a GPU; the compile-only client does not need one).
 """
@@ -32,12 +32,17 @@ SPEC_URL = (
 _UNPARSED = ("collective_memory_granularity",)
 
 
+# JAX's CUDA plugins, by the CUDA major version they are built for.
+_CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+
+
 def has_cuda_plugin() -> bool:
-    """Whether JAX's CUDA plugin is installed (it need not find a GPU)."""
+    """Whether one of JAX's CUDA plugins (CUDA 13 or 12) is installed (it
+    need not find a GPU)."""
     import importlib.util
 
     try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+        return any(importlib.util.find_spec(p) is not None for p in _CUDA_PLUGINS)
     except ModuleNotFoundError:  # no jax_plugins package at all
         return False
 
