@@ -74,6 +74,15 @@ def test_python_version_is_the_one_pyproject_requires():
     assert stated == {version}, (stated, requires)
 
 
+def test_ci_runs_the_readme_test_command_as_written():
+    """`.ci/run` runs the README's test command, word for word, with
+    `python3` a Python the package supports."""
+    tests = re.search(r"^Run the tests.*?^```bash\n(.*?)\n```", README, re.S | re.M).group(1)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert tests.startswith("python3 -m venv .venv && ") and tests in ci.splitlines()
+    assert 'ln -s "$python" "$bin/python3"' in ci
+
+
 def test_public_names_the_readme_uses_are_exported():
     """Every `zpp.X` / `zpp_jax.X` the README and the guide use is a
     top-level name or a submodule, and every `zpp.sub.X` exists there (no
