@@ -51,9 +51,9 @@ def test_every_kernel_is_compiled_for_sm90(tmp_path):
     the compiled GPU program, lowered to PTX for sm_90a (and from it, by
     ptxas, to the cubin the program embeds): no reference fallback."""
     trainer = cases.trainer("gpt-125m", "zeropp_ef", cases.h200())
-    compiled = trainer.compile_step(
-        cases.batch("gpt-125m"), {**trainer.compiler_options, "xla_dump_to": str(tmp_path)}
-    )
+    # The kernels' PTX is dumped for the emitters the pattern names.
+    dump = {"xla_dump_to": str(tmp_path), "xla_dump_emitter_re": ".*"}
+    compiled = trainer.compile_step(cases.batch("gpt-125m"), {**trainer.compiler_options, **dump})
     text = compiled.as_text()
     calls = [
         line for line in text.splitlines() if "/pallas_call" in line and " custom-call(" in line
