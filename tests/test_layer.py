@@ -292,8 +292,11 @@ def _check_against_reference(mesh, config, stack, x, flat_grads, shards, layout)
     (bounds.two_rounding_bound over each layer's per-device gradients)."""
     n = mesh.devices.size
     nodes, local = mesh_shape(mesh)
-    weights = used_weights(jnp.asarray(shards), layout, config)
-    per_device = np.asarray(per_device_flat_grads(weights, layout, n, x), np.float64)
+    # On one device, from host copies: the reference is a plain program,
+    # not one partitioned over the mesh.
+    weights = used_weights(jnp.asarray(np.asarray(shards)), layout, config)
+    per_device = per_device_flat_grads(weights, layout, n, jnp.asarray(np.asarray(x)))
+    per_device = np.asarray(per_device, np.float64)
     ref = per_device.mean(0)  # (layers, N*s): the engine averages over devices
     got = np.asarray(flat_grads, np.float64)
     scale = np.max(np.abs(ref))

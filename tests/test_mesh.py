@@ -1,8 +1,11 @@
 import jax
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from zpp_jax import make_mesh
 from zpp_jax.lowlevel import mesh_shape
+from zpp_jax.mesh import place
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2), (1, 8), (8, 1)])
@@ -38,3 +41,40 @@ def test_mismatch_names_the_fix(shape):
 def test_non_positive(shape):
     with pytest.raises(ValueError, match="must be a positive int"):
         make_mesh(*shape)
+
+
+def _programs(f):
+    """(f(), how many programs were lowered while it ran: a program found in
+    the compilation cache is lowered all the same)."""
+    count = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            count.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        return f(), len(count)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_place_splits_a_cpu_array_exactly_and_compiles_nothing(dtype):
+    mesh = make_mesh(2, 4)
+    value = jax.device_put(np.arange(3 * 16 * 5).reshape(3, 16, 5).astype(dtype), jax.devices()[1])
+    placed, programs = _programs(lambda: place(value, mesh, 1))
+    assert programs == 0
+    assert placed.sharding.spec == P(None, ("node", "local"), None)
+    for shard in placed.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(value)[shard.index])
+
+
+def test_place_keeps_keys_and_abstract_values():
+    mesh = make_mesh(2, 4)
+    keys = jax.random.split(jax.random.key(0), 8)
+    placed = place(keys, mesh, 0)
+    assert jax.numpy.array_equal(jax.random.key_data(placed), jax.random.key_data(keys))
+    abstract = place(jax.ShapeDtypeStruct((8, 3), "float32"), mesh, 0)
+    assert isinstance(abstract, jax.ShapeDtypeStruct)
+    assert abstract.sharding.spec == P(("node", "local"), None)

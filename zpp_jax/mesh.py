@@ -4,7 +4,7 @@ of one host); with a token pipeline, a `stage` axis in front."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -167,6 +167,21 @@ def on_mesh(tree, mesh: Mesh):
     return jax.tree.map(place, tree)
 
 
+def whole_on(mesh: Mesh, f: Callable) -> Callable:
+    """`f` with its argument and result whole on every device of `mesh`.
+    For the slices and concatenations of a flat vector, which partitioned
+    along the vector are programs of halo exchanges, many times longer to
+    compile than one all-gather (or none, for an argument already whole)."""
+    whole = NamedSharding(mesh, P())
+
+    def f_whole(x):
+        return jax.lax.with_sharding_constraint(
+            f(jax.lax.with_sharding_constraint(x, whole)), whole
+        )
+
+    return f_whole
+
+
 def shard_dim(
     shape: tuple[int, ...],
     n: int,
@@ -206,4 +221,19 @@ def place(value, mesh: Mesh, dim: int | None) -> jax.Array | jax.ShapeDtypeStruc
     sharding = NamedSharding(mesh, spec_along(np.ndim(value), dim))
     if isinstance(value, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+    if dim is not None and _in_cpu_memory(value):
+        # The same copies, cut by numpy from a view of the array: XLA would
+        # compile a slicing program for every shape it splits.
+        value = np.asarray(value)
     return jax.device_put(value, sharding)
+
+
+def _in_cpu_memory(value) -> bool:
+    """Whether `value` is a jax.Array of numbers held whole in this host's
+    memory (on one CPU device), so that numpy can view it without a copy."""
+    return (
+        isinstance(value, jax.Array)
+        and len(value.sharding.device_set) == 1
+        and next(iter(value.sharding.device_set)).platform == "cpu"
+        and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended)
+    )

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from zpp_jax import quant
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
-from zpp_jax.mesh import AXES, mesh_shape
+from zpp_jax.mesh import AXES, mesh_shape, whole_on
 
 PyTree = Any
 
@@ -483,11 +483,12 @@ def to_primary_shards(
     Returns the fp32 primary-shard array, shape (N*s,) (or (layers, N*s) when
     `stacked`) sharded so each device holds s (or layers x s) elements, and the
     layout to undo it. Pass ``align=config.alignment`` so that quantization
-    blocks never straddle two tensors. Memory kept: 4 bytes per parameter over N devices.
+    blocks never straddle two tensors. Memory kept: 4 bytes per parameter over N devices
+    (while it runs, the whole vector on every device).
     """
     nodes, local = mesh_shape(mesh)
     layout = FlatLayout.from_tree(tree, nodes * local, stacked=stacked, align=align)
-    flatten = jax.vmap(layout.flatten) if stacked else layout.flatten
+    flatten = whole_on(mesh, jax.vmap(layout.flatten) if stacked else layout.flatten)
     out = NamedSharding(mesh, primary_spec(stacked))
     return jax.jit(flatten, out_shardings=out)(tree), layout
 
@@ -496,4 +497,4 @@ def from_primary_shards(shards: jax.Array, layout: FlatLayout, stacked: bool = F
     """The original pytree (original dtypes) from primary shards, for export
     and inspection. Gathers the whole model onto every device."""
     unflatten = jax.vmap(layout.unflatten) if stacked else layout.unflatten
-    return jax.jit(unflatten)(shards)
+    return jax.jit(whole_on(shards.sharding.mesh, unflatten))(shards)

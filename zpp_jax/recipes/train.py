@@ -71,13 +71,16 @@ def model_config(cfg: RunConfig) -> GPTConfig | LlamaConfig:
 
 def make_model(cfg: RunConfig) -> nnx.Module:
     """The run's model, its parameters drawn from `cfg.seed`, or with
-    `init` read from the checkpoint."""
+    `init` read from the checkpoint. Drawn by one compiled program, on the
+    default device: the same bits as drawing them one initializer at a
+    time, where each initializer would be a program of its own to compile."""
     if cfg.init is not None:
         from zpp_jax import hf
 
         model_cfg = model_config(cfg)
         return hf.load(cfg.init, dtype=model_cfg.dtype, seq_len=model_cfg.seq_len)
-    return model_class(cfg)(model_config(cfg), nnx.Rngs(cfg.seed))
+    cls, model_cfg = model_class(cfg), model_config(cfg)
+    return nnx.jit(lambda: cls(model_cfg, nnx.Rngs(cfg.seed)))()
 
 
 def model_class(cfg: RunConfig) -> type:
