@@ -303,3 +303,23 @@ def test_a_step_that_calls_no_unit_is_refused(mesh24):
     )
     with pytest.raises(UsageError, match="the Trainer's loss_fn called none of the model's units"):
         trainer.train_step(trainer.init(), jax.device_put(_batch(), trainer.batch_sharding()))
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_a_runs_parameters_are_drawn_as_eager_construction_draws_them(arch):
+    """`make_model` draws the parameters in one compiled program: the same
+    every time, and the values of constructing the model eagerly with the
+    run's seed, to the last bit of the float32 arithmetic (XLA may fuse
+    the initializers' arithmetic differently)."""
+    from zpp_jax.recipes.train import make_model, model_class, model_config
+
+    cfg = RunConfig(arch=arch, seed=3, vocab_size=256)
+    eager = model_class(cfg)(model_config(cfg), nnx.Rngs(3))
+    first, again, want = (
+        jax.tree.leaves(nnx.state(m, nnx.Param)) for m in (make_model(cfg), make_model(cfg), eager)
+    )
+    assert len(first) == len(want) > 0
+    for a, b, c in zip(first, again, want, strict=True):
+        assert a.dtype == c.dtype and a.shape == c.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2**-22, atol=2**-30)

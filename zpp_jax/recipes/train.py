@@ -71,9 +71,10 @@ def model_config(cfg: RunConfig) -> GPTConfig | LlamaConfig:
 
 def make_model(cfg: RunConfig) -> nnx.Module:
     """The run's model, its parameters drawn from `cfg.seed`, or with
-    `init` read from the checkpoint. Drawn by one compiled program, on the
-    default device: the same bits as drawing them one initializer at a
-    time, where each initializer would be a program of its own to compile."""
+    `init` read from the checkpoint. Drawn by one compiled program on the
+    default device, where eagerly each initializer would be a program of
+    its own to compile: the values eager construction draws, to the last
+    bit of float32 (XLA may fuse the initializers' arithmetic otherwise)."""
     if cfg.init is not None:
         from zpp_jax import hf
 
