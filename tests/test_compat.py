@@ -25,17 +25,15 @@ def _declared(name: str):
     return spec
 
 
-def _seam():
-    """The functions `_compat` defines (its private helpers included)."""
+def _public_seam():
+    """The public functions `_compat` defines (`checked_on` aside)."""
     return [
         fn
-        for _, fn in inspect.getmembers(_compat, inspect.isfunction)
-        if fn.__module__ == _compat.__name__ and fn is not _compat.checked_on
+        for name, fn in inspect.getmembers(_compat, inspect.isfunction)
+        if fn.__module__ == _compat.__name__
+        and fn is not _compat.checked_on
+        and not name.startswith("_")
     ]
-
-
-def _public_seam():
-    return [fn for fn in _seam() if not fn.__name__.startswith("_")]
 
 
 def test_every_function_of_the_seam_names_the_versions_it_was_checked_on():

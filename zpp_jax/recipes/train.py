@@ -75,12 +75,12 @@ def make_model(cfg: RunConfig) -> nnx.Module:
     default device, where eagerly each initializer would be a program of
     its own to compile: the values eager construction draws, to the last
     bit of float32 (XLA may fuse the initializers' arithmetic otherwise)."""
+    model_cfg = model_config(cfg)
     if cfg.init is not None:
         from zpp_jax import hf
 
-        model_cfg = model_config(cfg)
         return hf.load(cfg.init, dtype=model_cfg.dtype, seq_len=model_cfg.seq_len)
-    cls, model_cfg = model_class(cfg), model_config(cfg)
+    cls = model_class(cfg)
     return nnx.jit(lambda: cls(model_cfg, nnx.Rngs(cfg.seed)))()
 
 
