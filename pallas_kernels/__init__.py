@@ -1,7 +1,7 @@
 """Block-quantization kernels: one public function per op, dispatched by
-platform when the program is lowered (Pallas/Triton on NVIDIA GPUs, the
-plain-JAX reference elsewhere; ``interpret=True`` runs the Pallas kernel itself
-on any platform).
+platform (Pallas/Triton on NVIDIA GPUs, the plain-JAX reference elsewhere;
+``interpret=True`` runs the Pallas kernel itself on any platform): when the
+program is traced over a mesh of CPU devices, else when it is lowered.
 
 The package stands alone. `reference` (``_reference.py``) defines the numerics
 and holds the plain-JAX reference of every op; every kernel matches it bit for

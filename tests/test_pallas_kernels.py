@@ -2,6 +2,7 @@
 interpret mode, and lowering for CUDA from this CPU-only machine."""
 
 import contextlib
+import functools
 import re
 from collections import Counter
 
@@ -350,6 +351,33 @@ def test_lowers_for_cuda_with_the_kernel_and_for_cpu_without(name):
     assert triton_kernels(_lowered_for(f, args(), "cuda")) == Counter({kernel: 1})
     cpu = _lowered_for(f, args(), "cpu")
     assert "triton" not in cpu and "custom_call" not in cpu  # the plain-JAX reference
+
+
+def test_over_a_cpu_mesh_only_the_reference_is_traced(mesh24):
+    """Over a mesh of CPU devices the choice is made when tracing: no
+    platform switch and no kernel in the program, and the same codes as the
+    reference. Without a mesh both are traced and the switch waits for
+    lowering; `interpret` still runs the kernel."""
+    from jax.sharding import PartitionSpec as P
+
+    x = jax.random.normal(jax.random.key(0), (8, 1000))
+
+    def over_mesh(op):
+        return jax.shard_map(
+            op, mesh=mesh24, in_specs=P("node"), out_specs=P("node"), check_vma=False
+        )
+
+    def codes(x, interpret=False):
+        return pk.quantize(x, 4, 64, interpret=interpret).codes
+
+    def program(f):
+        return str(jax.make_jaxpr(f)(x))
+
+    for mark in ("platform_index", "cond[", "pallas_call"):
+        assert mark in program(codes)
+        assert mark not in program(over_mesh(codes))
+    assert "pallas_call" in program(over_mesh(functools.partial(codes, interpret=True)))
+    np.testing.assert_array_equal(jax.jit(over_mesh(codes))(x), ref_quantize(x, 4, 64).codes)
 
 
 def test_engine_step_lowers_for_cuda(mesh24):
