@@ -559,6 +559,7 @@ def greedy(apply, variables, cache, prompt):
     return np.concatenate(tokens, axis=1)
 
 
+@pytest.mark.slow  # a decoding loop; the NNX caches split with the batch in the loop (test_shard)
 def test_linen_greedy_decoding_with_a_cache_gives_one_devices_tokens(mesh24):
     """The cache's batch rows are split with the batch: every token equals
     one device's."""

@@ -30,11 +30,10 @@ def test_fsdp_sharding_splits_the_largest_dimension_the_devices_divide(mesh24):
     assert fsdp_sharding(mesh24, ()).spec == P()
 
 
-# The XLA-partitioned form in the slow set: the constrained one is the same
-# step with more in it.
+@pytest.mark.slow  # a baseline, not the engine; the engine's exactness stays in the loop
 @pytest.mark.parametrize(
     "constrain",
-    [pytest.param(False, marks=pytest.mark.slow), True],
+    [False, True],
     ids=["xla-partitioned", "constrained"],
 )
 def test_a_step_equals_the_unsharded_step(mesh24, constrain):
@@ -103,6 +102,7 @@ def test_an_abstract_model_compiles_and_reports(mesh24):
     assert 3 * 4 * n / 8 <= report["state_bytes"] <= 3 * 4 * n / 8 * 1.2
 
 
+@pytest.mark.slow  # a second compiled baseline step
 def test_constrained_activations_make_xla_gather_the_weights(mesh24):
     """With the activations constrained to the batch axes, the step's
     collectives are the weights' gathers (each parameter in the forward

@@ -14,6 +14,7 @@ TINY_DEMO = ["--steps", "3", "--layers", "2", "--d-model", "32", "--d-ff", "64"]
 TINY_DEMO += ["--seq", "8", "--batch", "8"]
 
 
+@pytest.mark.slow  # the demo's ZeRO-3 run stays in the loop
 def test_demo_runs_and_reports_bytes(capsys):
     code = main(["demo", *TINY_DEMO])
     out = capsys.readouterr().out

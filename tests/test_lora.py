@@ -42,11 +42,8 @@ def _lora_grads(model, tokens):
     return dict(nnx.to_flat_state(_grads(model, tokens)))
 
 
-# int4 codes take the path int8 codes do, with more error: int8 in the slow set.
-SLOW = pytest.mark.slow
-
-
-@pytest.mark.parametrize("bits", [pytest.param(None, marks=SLOW), pytest.param(8, marks=SLOW), 4])
+@pytest.mark.slow  # the adapters' training and their bytes stay in the loop
+@pytest.mark.parametrize("bits", [None, 8, 4])
 def test_a_sharded_lora_computes_what_the_plain_model_does(bits):
     """Logits and the adapters' gradients of the sharded model (ZeRO-3's
     exact wire) equal those of the plain model with the same base: the

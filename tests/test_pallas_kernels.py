@@ -164,9 +164,9 @@ def test_quantize_reordered_with_feedback_checks_its_input():
     [
         ((2, 1000), jnp.bfloat16, 4, 100, "nearest"),
         ((777,), jnp.float16, 8, 64, "nearest"),
-        ((3, 5), jnp.float32, 4, 256, "nearest"),
-        ((2, 1000), jnp.float32, 4, 64, "stochastic"),
-        ((777,), jnp.bfloat16, 8, 100, "stochastic"),
+        pytest.param((3, 5), jnp.float32, 4, 256, "nearest", marks=pytest.mark.slow),
+        pytest.param((2, 1000), jnp.float32, 4, 64, "stochastic", marks=pytest.mark.slow),
+        pytest.param((777,), jnp.bfloat16, 8, 100, "stochastic", marks=pytest.mark.slow),
     ],
 )
 def test_fixed_cases_bitwise(shape, dtype, bits, block, rounding):

@@ -30,6 +30,7 @@ def test_fit_recovers_a_known_cost():
         fit([{"length": 8, "context": 0, "seconds": 1.0}])
 
 
+@pytest.mark.slow  # measures real slices
 def test_zpp_profile_writes_a_model_the_planner_reads(tmp_path, capsys):
     out = tmp_path / "cost.json"
     args = [

@@ -42,6 +42,7 @@ def test_every_trainer_is_a_training_program(mesh24):
         programs[1].check_batch_size(12)
 
 
+@pytest.mark.slow  # the pipeline's exactness stays in the loop
 def test_the_pipeline_trainer_compiles_its_step_and_refuses_micro_batches():
     """`compile_step` compiles the whole training step without running it:
     each stage's layers are gathered once per step (ZeRO inside the

@@ -1,5 +1,6 @@
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.analysis import collectives_in_hlo, summarize
@@ -56,6 +57,7 @@ def test_real_program(mesh24):
     assert kinds["all-reduce"].result_bytes == 40 * 4
 
 
+@pytest.mark.slow  # a compiled step's every collective; the byte counts stay in the loop
 def test_each_collective_names_its_unit(mesh24):
     """A unit's call runs under its own named scope, so every collective of
     its gathers and reductions, forward and backward, says which unit it

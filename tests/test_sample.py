@@ -18,7 +18,7 @@ def _full_pass_picks(model, prompt, written):
     return np.argmax(np.asarray(logits[0]), axis=-1)[len(prompt) - 1 : -1].tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt"])
+@pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.slow), "gpt"])
 def test_greedy_decoding_is_the_full_pass_argmax(arch):
     if arch == "llama":
         cfg = LlamaConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=24)
@@ -31,6 +31,7 @@ def test_greedy_decoding_is_the_full_pass_argmax(arch):
     assert len(got) == 12 and got.tolist() == _full_pass_picks(model, prompt, got)
 
 
+@pytest.mark.slow  # greedy decoding stays in the loop
 def test_sampling_follows_the_seed_and_stops_at_the_end_id():
     cfg = LlamaConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=24)
     model = Llama(cfg, nnx.Rngs(1))

@@ -40,6 +40,7 @@ def optimizer():
     )
 
 
+@pytest.mark.slow  # two steps of a second model
 def test_persistence_threshold_keeps_small_parameters_whole(mesh24):
     """Parameters under `persistence_threshold` elements (the Llama's norm
     scales, 64) are whole on every device, the others sharded; the final
@@ -171,10 +172,14 @@ def _single_device(name, steps):
     return train(FAMILIES[name], FAMILIES[name].make(0), steps)
 
 
-# The longest three in the slow set: the list Llama, the MLP and the tied
-# embedding take the same paths (units of several widths, a scanned stack's
-# arithmetic is the list's in a loop, cross-attention is attention).
-_LONG_FAMILIES = ("encoder_decoder", "different_widths", "llama_scan")
+# The MLP of 5 widths in the quick loop; the other families in the slow set.
+_LONG_FAMILIES = (
+    "encoder_decoder",
+    "different_widths",
+    "llama_scan",
+    "llama_list",
+    "tied_embedding",
+)
 
 
 @pytest.mark.parametrize(
@@ -300,6 +305,7 @@ def test_a_unit_of_vectors_is_left_out_of_the_relay(mesh24, monkeypatch):
         assert _rel(a, b) <= 1e-6
 
 
+@pytest.mark.slow  # the Linen model's case stays in the loop
 def test_error_feedback_residuals_carry_over(mesh24):
     """With error feedback each unit holds a residual; `zpp.value_and_grad`
     writes the new one into the model every step, and the optimizer never
@@ -549,13 +555,13 @@ def _temp_bytes(mesh, config, layers, scan):
     return jax.jit(grads).lower(state, x).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow  # the layer's memory per layer stays in the loop (test_layer)
 @pytest.mark.parametrize(
     "config",
     [
-        # zeropp's case holds the secondary shard too; the others in the slow set
-        pytest.param(EXACT.replace(remat="full"), marks=pytest.mark.slow),
+        EXACT.replace(remat="full"),
         zpp.ZeroPPConfig(remat="full"),
-        pytest.param(zpp.ZeroPPConfig(hpz=False, remat="full"), marks=pytest.mark.slow),
+        zpp.ZeroPPConfig(hpz=False, remat="full"),
     ],
     ids=["zero3", "zeropp", "qwz+qgz"],
 )

@@ -46,7 +46,14 @@ def test_candidates_switch_each_technique_alone_and_together():
     assert len({c.name for c in more}) == len(more)
 
 
-@pytest.mark.parametrize("name", ["zero3", "hpz", "zeropp w8 g4"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("zero3", marks=pytest.mark.slow),
+        "hpz",
+        pytest.param("zeropp w8 g4", marks=pytest.mark.slow),
+    ],
+)
 def test_wire_bytes_bound_what_the_compiled_step_moves(mesh24, name):
     """The analytic bytes are a lower bound of the compiled step's (which
     re-gathers most weights for the backward pass, across nodes without
