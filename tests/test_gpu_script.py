@@ -42,6 +42,8 @@ def test_the_dry_run_writes_the_page(tmp_path):
     assert gpu["estimate_s"] == dict.fromkeys(METHODS)  # XLA estimates GPU schedules only
     report = (page / "report.md").read_text()
     assert f"jax {jax.__version__}" in report and "| zeropp + error feedback |" in report
+    made = "Made by `python benchmarks/gpu/run.py --allow-cpu --model tiny --steps 2 --json"
+    assert made in report and "Measured on " in report
     assert (page / "bandwidth.png").stat().st_size > 1000
     again = subprocess.run([*command, "--parts", "kernels", "--json", str(page)], cwd=ROOT)
     assert again.returncode != 0  # a page is never written over

@@ -9,9 +9,13 @@ redraw a page from its JSON.
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import pages  # noqa: E402  (benchmarks/pages.py: what every results page states)
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -99,7 +103,10 @@ def write_page(folder: Path) -> str:
     gpu = json.loads((folder / "gpu.json").read_text())
     kernels = json.loads((folder / "kernels.json").read_text())
     versions = ", ".join(f"{n} {gpu[n]}" for n in ("jax", "jaxlib", "flax", "optax") if n in gpu)
-    lines = [f"Device: {gpu['device']}; {versions}.", ""]
+    lines = [f"# Kernels and one device's training step: {gpu['device']}", ""]
+    if "command" in gpu:  # pages written before the command was recorded lack it
+        lines += [f"Made by `{gpu['command']}`. {pages.machine_line(gpu['machine'])}", ""]
+    lines += [f"Device: {gpu['device']}; {versions}.", ""]
     lines += kernel_lines(gpu, kernels) + step_lines(gpu)
     text = "\n".join(lines) + "\n"
     (folder / "report.md").write_text(text)

@@ -52,6 +52,9 @@ from zpp_jax.analysis.report import compile_with_estimate
 from zpp_jax.models import GPT, GPTConfig
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+import pages  # noqa: E402  (benchmarks/pages.py: what every results page states)
+
 PARTS = ("kernels", "bandwidth", "steps")
 
 
@@ -72,7 +75,13 @@ class Results:
 
     def __init__(self) -> None:
         versions = {n: importlib.metadata.version(n) for n in ("jax", "jaxlib", "flax", "optax")}
-        self.data = {"device": jax.devices()[0].device_kind, **versions, "errors": {}}
+        self.data = {
+            "device": jax.devices()[0].device_kind,
+            **versions,
+            "command": pages.command(),
+            "machine": pages.machine(),
+            "errors": {},
+        }
 
     def part(self, name, fn) -> None:
         """Run one part; on failure print and record the error and go on."""
