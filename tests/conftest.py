@@ -59,18 +59,18 @@ from zpp_jax import make_mesh  # noqa: E402
 # idle at the end of the session. (Measured: the sum of each file's test
 # durations; the others follow in collection order.)
 _LONGEST_FIRST = (
-    "test_pipeline_train.py",
+    "test_runs.py",
     "test_shard.py",
-    "test_shard_convergence.py",
     "test_layer.py",
     "test_train.py",
-    "test_runs.py",
-    "test_examples.py",
+    "test_pipeline_train.py",
+    "test_shard_convergence.py",
     "test_multihost.py",
-    "test_pipeline_runtime.py",
-    "test_pallas_kernels.py",
     "test_readme.py",
-    "test_checkpoint.py",
+    "test_pipeline_runtime.py",
+    "test_examples.py",
+    "test_comm.py",
+    "test_adoption.py",
 )
 
 
