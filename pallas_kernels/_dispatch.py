@@ -14,11 +14,13 @@ def by_platform(kernel: Callable, reference: Callable, interpret: bool, *args):
     with `interpret`, the Pallas kernel in interpret mode anywhere.
 
     Traced over a mesh of CPU devices (inside a `shard_map` or `use_mesh`
-    with a concrete mesh), the program can only run on CPUs, so only the
-    reference is traced. Elsewhere the choice waits for lowering (so one
-    jitted function serves every platform), and both are traced: the kernel's
-    trace costs about as much as the reference's, and differentiating the
-    call costs both again.
+    with a concrete mesh), the program runs on those CPUs, so only the
+    reference is traced. (A `jax.export` of such a trace for other platforms
+    carries the reference for them too: the same bits, without the kernels'
+    speed.) Elsewhere the choice waits for lowering (so one jitted function
+    serves every platform), and both are traced: the kernel's trace costs
+    about as much as the reference's, and differentiating the call costs both
+    again.
     """
     if interpret:
         return kernel(*args, interpret=True)
