@@ -140,6 +140,7 @@ def _share(report, kinds, where=None):
 
 
 def _baseline() -> dict:
+    """The record of each case, and the jax version that compiled them."""
     return json.loads(BASELINE.read_text())
 
 
@@ -151,16 +152,18 @@ def test_the_schedule_is_the_baseline(name, config, unroll):
     schedule, a regression or a gain, shows here. A change meant is
     recorded with ``python tests/gpu_baselines/regenerate.py``, which prints
     the difference, and committed with it."""
-    want = _baseline().get(cases.key(name, config, unroll))
+    baseline = _baseline()
+    want = baseline["cases"].get(cases.key(name, config, unroll))
     got = cases.schedule_record(cases.report(name, config, unroll=unroll))
     assert got == want, (
         f"the schedule of {cases.key(name, config, unroll)} changed: {json.dumps(got)}, baseline "
-        f"{json.dumps(want)}; if meant, run tests/gpu_baselines/regenerate.py"
+        f"{json.dumps(want)} (made with jax {baseline['jax']}; this is jax {jax.__version__}); "
+        "if meant, run tests/gpu_baselines/regenerate.py"
     )
 
 
 def test_the_baseline_covers_every_case():
-    assert set(_baseline()) == {cases.key(*c) for c in CASES}
+    assert set(_baseline()["cases"]) == {cases.key(*c) for c in CASES}
 
 
 @pytest.mark.parametrize("name", list(MODELS))

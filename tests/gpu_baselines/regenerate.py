@@ -1,7 +1,7 @@
 """Compile every case of `tests/gpu_cases.py` for 2 x 4 H200 GPUs and write
-its schedule record to `overlap.json` beside this script, after printing
-how it differs from the file's (nothing runs; about 20 minutes on 2 CPU
-cores).
+its schedule record to `overlap.json` beside this script, with the jax
+version that compiled them, after printing how it differs from the file's
+(nothing runs; about an hour on 2 CPU cores).
 
 Needs the gpu-aot extra and $ZPP_GPU_TARGET_CONFIG, as the gpu_aot tests
 do. Run from the repository root:
@@ -55,11 +55,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     old = json.loads(BASELINE.read_text()) if BASELINE.exists() else {}
     new = records()
-    diff = differences(old, new)
+    diff = differences(old.get("cases", {}), new)
+    print(f"baseline made with jax {old.get('jax')}; this is jax {jax.__version__}")
     print("\n".join(diff) if diff else "no difference from the baseline")
     if args.check:
         return 1 if diff else 0
-    pathlib.Path(args.out).write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
+    baseline = {"jax": jax.__version__, "cases": new}
+    pathlib.Path(args.out).write_text(json.dumps(baseline, indent=1, sort_keys=True) + "\n")
     print(f"wrote {args.out}")
     return 0
 
