@@ -344,11 +344,9 @@ CONFIGS = {
 }
 
 
-# Every path in fp32, and the 16-bit dtypes through two paths that between
-# them use every technique, in the quick loop; every path in bf16 and the
-# quantized ones in fp16 (whose narrow range is what their scales must
-# survive) in the full suite.
-_QUICK_16BIT = set()  # the 16-bit cases in the slow set
+# Every path in fp32 in the quick loop; every path in bf16 and the quantized
+# ones in fp16 (whose narrow range is what their scales must survive) in the
+# full suite.
 _FP16 = ("qwz+hpz", "qwz4", "qgz8", "ef", "tiny-block")
 
 
@@ -359,7 +357,7 @@ _FP16 = ("qwz+hpz", "qwz4", "qgz8", "ef", "tiny-block")
             name,
             dtype,
             id=f"{name}-{jnp.dtype(dtype).name}",
-            marks=() if dtype == jnp.float32 or (name, dtype) in _QUICK_16BIT else pytest.mark.slow,
+            marks=() if dtype == jnp.float32 else pytest.mark.slow,
         )
         for dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
         for name in CONFIGS

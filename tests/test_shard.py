@@ -173,7 +173,7 @@ def _single_device(name, steps):
 
 
 # The MLP of 5 widths in the quick loop; the other families in the slow set.
-_LONG_FAMILIES = (
+_SLOW_FAMILIES = (
     "encoder_decoder",
     "different_widths",
     "llama_scan",
@@ -184,7 +184,7 @@ _LONG_FAMILIES = (
 
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(n, marks=pytest.mark.slow) if n in _LONG_FAMILIES else n for n in FAMILIES],
+    [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_FAMILIES else n for n in FAMILIES],
 )
 def test_zero3_equals_one_device(name, mesh24):
     """10 steps of ZeRO-3 (fp32 wire) with clipping and a masked AdamW: the
