@@ -29,14 +29,17 @@ from zpp_jax.analysis.target import TARGET_CONFIG_ENV, has_cuda_plugin, target_c
 from zpp_jax.cli import main
 
 pytestmark = pytest.mark.gpu_aot
-# A compile-only client cannot load programs back from the persistent cache.
-jax.config.update("jax_enable_compilation_cache", False)
 if not has_cuda_plugin():
     pytest.skip('needs JAX\'s CUDA plugin: pip install -e ".[gpu-aot]"', allow_module_level=True)
 if not os.environ.get(TARGET_CONFIG_ENV):
     pytest.skip(
         f"needs {TARGET_CONFIG_ENV}: an XLA GPU target description", allow_module_level=True
     )
+# A compile-only client cannot load programs back from the persistent cache.
+# Set at collection, before the session's first compile (JAX reads it once
+# per process), and only where these tests run: set on every collection, it
+# kept every other test of the session from the cache.
+jax.config.update("jax_enable_compilation_cache", False)
 
 BASELINE = pathlib.Path(__file__).resolve().parent / "gpu_baselines" / "overlap.json"
 
