@@ -6,9 +6,13 @@ match it bit for bit:
 * The input is cast to fp32 and cut along its last axis into blocks of `block`
   elements; the last block is padded with zeros (padding never changes a
   block's absmax, and it is dropped again by `dequantize`).
-* Per block: ``absmax = max(|x|)``, ``scale = round_up_scale(absmax / qmax)``
+* Per block: ``absmax = max(|x|)``, ``scale = round_up_scale(absmax * (1/qmax))``
   in fp32 with ``qmax = 2**(bits-1) - 1`` (127 for int8, 7 for int4:
-  symmetric, no zero point, the code -2**(bits-1) is never produced).
+  symmetric, no zero point, the code -2**(bits-1) is never produced) and
+  ``1/qmax`` the fp32 reciprocal (`scale_of`). A multiply, not a division:
+  XLA rewrites a division by a constant into this multiply when it compiles
+  a program, and a division dispatched on its own is left IEEE, so only the
+  multiply gives the same bits compiled, eager and in every kernel.
   ``round_up_scale`` rounds the fp32 scale up to 16 significant bits (clears the
   low 8 mantissa bits, rounding away from zero); with
   ``scale_dtype="bfloat16"`` to 8 (the low 16 bits: the scale is then exact
@@ -159,6 +163,15 @@ def round_up_scale(scale: jax.Array, scale_dtype: str) -> jax.Array:
     return jnp.where(scale < jnp.inf, rounded, scale)
 
 
+def scale_of(absmax: jax.Array, bits: int, scale_dtype: str) -> jax.Array:
+    """The scales of blocks of these fp32 absolute maxima: ``absmax`` times
+    the fp32 reciprocal of `qmax`, rounded up (`round_up_scale`). Where the
+    reciprocal is rounded down, the largest element over its scale exceeds
+    ``qmax`` by at most 2**-24 of it, and still rounds to ``qmax``."""
+    inverse = np.float32(1) / np.float32(qmax(bits))
+    return round_up_scale(absmax * inverse, scale_dtype)
+
+
 def dither(bits: jax.Array, position: jax.Array) -> jax.Array:
     """Uniform fp32 in [0, 1), multiples of 2**-24: the murmur3 finalizer of
     an element's fp32 bits (uint32) mixed with its position in its block
@@ -227,7 +240,7 @@ def quantize(
         xf = jnp.pad(xf, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
     xf = xf.reshape(*x.shape[:-1], nb, block)
     absmax = jnp.max(_magnitude(xf), axis=-1)
-    scales = round_up_scale(absmax / jnp.float32(qmax(bits)), scale_dtype)
+    scales = scale_of(absmax, bits, scale_dtype)
     finite = scales < jnp.inf
     safe = jnp.where((scales == 0) | ~finite, jnp.float32(1), scales)
     y = xf / safe[..., None]

@@ -93,7 +93,7 @@ def _quantize_parts(parts, bits, rounding="nearest", block=0, scale_dtype="float
         a = jnp.abs(p)
         m = jnp.max(jnp.where(a < jnp.inf, a, jnp.inf), axis=1)
         absmax = m if absmax is None else jnp.maximum(absmax, m)
-    scales = ref.round_up_scale(absmax / qmax, scale_dtype)
+    scales = ref.scale_of(absmax, bits, scale_dtype)
     finite = scales < jnp.inf
     safe = jnp.where((scales == 0) | ~finite, 1.0, scales)
     if rounding == "stochastic":
