@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import corpora
 import jax
@@ -366,3 +367,29 @@ def test_a_job_that_cannot_start_says_why_in_one_line():
         assert r.returncode == 2
         err = r.stderr.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+
+
+def test_a_cpu_job_on_a_jaxlib_that_hangs_on_cached_programs_compiles_without_the_cache(
+    monkeypatch,
+):
+    """Where the jaxlib hangs a multi-process CPU job on programs loaded from
+    the persistent compilation cache (0.12.1), `initialize` turns the cache
+    off for the job and says why; elsewhere it leaves the cache alone."""
+    from zpp_jax import _compat, distributed
+
+    assert jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir
+    hangs = _compat.cached_programs_hang_cpu_jobs()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            distributed._keep_cpu_jobs_off_the_cache()
+        assert len(caught) == hangs and jax.config.jax_enable_compilation_cache != hangs
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+    monkeypatch.setattr(_compat, "cached_programs_hang_cpu_jobs", lambda: True)
+    try:
+        with pytest.warns(UserWarning, match="hangs a multi-process CPU job .* without it"):
+            distributed._keep_cpu_jobs_off_the_cache()
+        assert not jax.config.jax_enable_compilation_cache
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)

@@ -20,6 +20,11 @@ What changed between the versions this module has met:
   `known_xla_flags` keeps such flags out) and the GPU options
   ``xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce}``, now
   ``xla_gpu_pipeline_*`` (`zpp_jax.overlap.options`).
+* jaxlib 0.12.1 hangs a multi-process CPU job (gloo) in its first
+  collective when a process loads the program from the persistent
+  compilation cache: whether the others load it too or compile it
+  (`cached_programs_hang_cpu_jobs`; `zpp_jax.distributed.initialize`
+  turns the cache off for such a job, and says so).
 * jaxlib 0.11.2 (fixed in 0.12) crashes the process while compiling a
   program in which a zero-size array enters a ``shard_map`` (an empty
   index array closed over by its body, as the transpose of a scatter into
@@ -61,7 +66,7 @@ def checked_on(*versions: str) -> Callable[[_F], _F]:
 # -- transformations of JAX's partial evaluator ------------------------------------------
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def dce_jaxpr(jaxpr: Jaxpr, used_outputs: list[bool]) -> tuple[Jaxpr, list[bool]]:
     """`jaxpr` with only what `used_outputs` need, and which of its inputs
     that still reads. From ``jax._src.interpreters.partial_eval`` (no public
@@ -69,7 +74,7 @@ def dce_jaxpr(jaxpr: Jaxpr, used_outputs: list[bool]) -> tuple[Jaxpr, list[bool]
     return partial_eval.dce_jaxpr(jaxpr, used_outputs)
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def convert_constvars_jaxpr(jaxpr: Jaxpr) -> Jaxpr:
     """`jaxpr` with its closed-over constants made its first inputs. From
     ``jax._src.interpreters.partial_eval`` (no public equivalent)."""
@@ -79,7 +84,7 @@ def convert_constvars_jaxpr(jaxpr: Jaxpr) -> Jaxpr:
 # -- primitives of zpp-jax's own -------------------------------------------------------
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def source_primitive(name: str, make: Callable[..., jax.Array]) -> Primitive:
     """A primitive without operands whose value is ``make(**params)``, kept
     as one equation in a jaxpr (so a rewrite can find it by identity),
@@ -96,7 +101,7 @@ def _shape_dtype(make, params):
     return out.shape, out.dtype
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def identity_primitive(name: str) -> Primitive:
     """A primitive that returns its operand, kept as one equation in a jaxpr
     and compiled away: linear (its cotangent passes through), vectorized
@@ -117,7 +122,7 @@ def identity_primitive(name: str) -> Primitive:
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "scan")
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def map_inner_jaxprs(eqn: JaxprEqn, fn: Callable[[Jaxpr], Jaxpr]) -> JaxprEqn:
     """`eqn` with `fn` applied to every jaxpr its parameters hold (a call's,
     a loop's body); the same object when `fn` changed none."""
@@ -138,18 +143,18 @@ def _mapped(value: Any, fn: Callable[[Jaxpr], Jaxpr]) -> Any:
     return value
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def is_scan(eqn: JaxprEqn) -> bool:
     return eqn.primitive.name == "scan"
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def scan_body(eqn: JaxprEqn) -> ClosedJaxpr:
     """A `scan` equation's loop body."""
     return eqn.params["jaxpr"]
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def scan_carry(eqn: JaxprEqn) -> tuple[int, int]:
     """(The index among a `scan`'s operands, and among its body's inputs,
     just after the last carry; the index among its results, and its body's
@@ -159,7 +164,7 @@ def scan_carry(eqn: JaxprEqn) -> tuple[int, int]:
     return len(consts) + len(carry), len(carry)
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def unrolled_scan_with_carry(eqn: JaxprEqn, body: Jaxpr, first: Var, last: Var) -> JaxprEqn:
     """`eqn` (a `scan`) fully unrolled, running `body`, which takes and
     returns one more carry after the others: `first` in, `last` out.
@@ -183,7 +188,7 @@ def unrolled_scan_with_carry(eqn: JaxprEqn, body: Jaxpr, first: Var, last: Var) 
     )
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def with_carry_names(body: Jaxpr, at_in: int, at_out: int, name: str):
     """`body`'s `debug_info` with one more argument at `at_in` and one more
     result at `at_out`, both called `name`."""
@@ -199,19 +204,19 @@ def with_carry_names(body: Jaxpr, at_in: int, at_out: int, name: str):
     )
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def new_var(like: Var) -> Var:
     """A fresh variable of `like`'s abstract value."""
     return Var(like.aval)
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def opaque_trace_state() -> Any:
     """An object equal for two calls in the same trace, and only then."""
     return jax.extend.core.get_opaque_trace_state(convention="nnx")
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def is_tracer(x: Any) -> bool:
     """Whether `x` is a value being traced (not a concrete array)."""
     return isinstance(x, jax.core.Tracer)
@@ -220,7 +225,7 @@ def is_tracer(x: Any) -> bool:
 # -- multi-process jobs ------------------------------------------------------------------
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def coordination_client():
     """The client of JAX's coordination service in this process (None before
     `jax.distributed.initialize`): what answers which processes are alive
@@ -230,6 +235,18 @@ def coordination_client():
     return distributed.global_state.client
 
 
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
+def cached_programs_hang_cpu_jobs() -> bool:
+    """Whether this jaxlib hangs a multi-process CPU job whose processes load
+    a program from the persistent compilation cache: each process's devices
+    wait in the program's first collective for ever. Read from the jaxlib
+    version: 0.12.1 does (a 2-process `zpp launch` on 8 CPU devices, run
+    twice on one cache directory); 0.11.2 and 0.12.0.1 do not."""
+    import jaxlib
+
+    return jaxlib.__version__ == "0.12.1"
+
+
 # -- axis names -------------------------------------------------------------------------
 
 # Parameters of the collectives (psum, pmax, all_gather, ppermute, all_to_all,
@@ -237,7 +254,7 @@ def coordination_client():
 _AXIS_PARAMS = ("axes", "axis_name")
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def bind_axis_name(fn: Callable, name: str, axes: tuple[str, ...], size: int) -> Callable:
     """`fn` with every collective over the axis `name` run over `axes`
     instead (`size` devices together), where `name` is not bound.
@@ -293,7 +310,7 @@ def _renamed_param(key: str, value: Any, name: str, axes: tuple[str, ...]) -> An
 # -- XLA flags ------------------------------------------------------------------------------
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def known_xla_flags(flags: Iterable[str]) -> tuple[list[str], list[str]]:
     """(The flags among `flags`, ``--name=value`` strings, that this jaxlib's
     XLA knows; those it does not.)
@@ -322,7 +339,7 @@ def _starts_with(flags: list[str]) -> bool:
     return child.returncode == 0
 
 
-@checked_on("0.11.2", "0.12.0.1")
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def known_compile_options(options: dict[str, Any]) -> dict[str, Any]:
     """`options` (``jax.jit(..., compiler_options=...)``) without those this
     jaxlib's XLA lacks, each left out with a warning that names it: a

@@ -224,12 +224,34 @@ def initialize(
         heartbeat_timeout_seconds=config.heartbeat_timeout,
         shutdown_timeout_seconds=config.shutdown_timeout,
     )
+    if config.local_cpu_devices is not None:
+        _keep_cpu_jobs_off_the_cache()
     if on_lost_peer is not None:
         _watching.set()
         threading.Thread(
             target=_watch, args=(jax.process_count(), on_lost_peer), daemon=True
         ).start()
     return config
+
+
+def _keep_cpu_jobs_off_the_cache() -> None:
+    """Turn off the persistent compilation cache for this multi-process CPU
+    job where the jaxlib hangs such a job on a cached program, with a warning
+    that says why: each program is then compiled, as without a cache."""
+    import warnings
+
+    import jax
+
+    from zpp_jax._compat import cached_programs_hang_cpu_jobs
+
+    cache_on = jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir
+    if cached_programs_hang_cpu_jobs() and cache_on:
+        jax.config.update("jax_enable_compilation_cache", False)
+        warnings.warn(
+            f"jaxlib {jax.__version__} hangs a multi-process CPU job on programs loaded "
+            "from the persistent compilation cache: this job compiles without it",
+            stacklevel=3,
+        )
 
 
 def _check_coordinator(config: DistributedConfig) -> None:
