@@ -241,6 +241,7 @@ def _keep_cpu_jobs_off_the_cache() -> None:
     import warnings
 
     import jax
+    import jaxlib
 
     from zpp_jax._compat import cached_programs_hang_cpu_jobs
 
@@ -248,7 +249,7 @@ def _keep_cpu_jobs_off_the_cache() -> None:
     if cached_programs_hang_cpu_jobs() and cache_on:
         jax.config.update("jax_enable_compilation_cache", False)
         warnings.warn(
-            f"jaxlib {jax.__version__} hangs a multi-process CPU job on programs loaded "
+            f"jaxlib {jaxlib.__version__} hangs a multi-process CPU job on programs loaded "
             "from the persistent compilation cache: this job compiles without it",
             stacklevel=3,
         )
