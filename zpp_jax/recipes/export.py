@@ -58,7 +58,8 @@ def restore_run_model(ckpt_dir: str | pathlib.Path, step: int | None = None):
     from zpp_jax.checkpoint import Checkpointer, check_directory
     from zpp_jax.lora import FROZEN, add_lora
     from zpp_jax.models import Llama
-    from zpp_jax.recipes.train import lora_targets, make_optimizer, model_class, model_config
+    from zpp_jax.recipes.optimizer import make_optimizer
+    from zpp_jax.recipes.train import lora_targets, model_class, model_config
     from zpp_jax.train import Trainer
 
     ckpt_dir = pathlib.Path(ckpt_dir)

@@ -29,7 +29,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 from flax import nnx
 
 from zpp_jax.analysis import summarize
@@ -45,6 +44,7 @@ from zpp_jax.pipeline.planner import folded
 from zpp_jax.preemption import Stopped, StopRequest
 from zpp_jax.recipes import corpus, runs
 from zpp_jax.recipes.config import INIT_SEQ, RunConfig, parse_slices
+from zpp_jax.recipes.optimizer import make_optimizer, with_schedule_of
 from zpp_jax.train import Trainer
 
 # -- build ----------------------------------------------------------------------
@@ -74,14 +74,16 @@ def make_model(cfg: RunConfig) -> nnx.Module:
     `init` read from the checkpoint. Drawn by one compiled program on the
     default device, where eagerly each initializer would be a program of
     its own to compile: the values eager construction draws, to the last
-    bit of float32 (XLA may fuse the initializers' arithmetic otherwise)."""
+    bit of float32 (XLA may fuse the initializers' arithmetic otherwise).
+    The seed's key is an argument of that program, not a constant in it, so
+    runs that differ in their seed compile it once."""
     model_cfg = model_config(cfg)
     if cfg.init is not None:
         from zpp_jax import hf
 
         return hf.load(cfg.init, dtype=model_cfg.dtype, seq_len=model_cfg.seq_len)
     cls = model_class(cfg)
-    return nnx.jit(lambda: cls(model_cfg, nnx.Rngs(cfg.seed)))()
+    return nnx.jit(lambda key: cls(model_cfg, nnx.Rngs(key)))(jax.random.key(cfg.seed))
 
 
 def model_class(cfg: RunConfig) -> type:
@@ -91,15 +93,6 @@ def model_class(cfg: RunConfig) -> type:
 def model_name(cfg: RunConfig) -> str:
     """What the log calls the model."""
     return f"checkpoint {cfg.init}" if cfg.init is not None else f"{cfg.arch} {cfg.model}"
-
-
-def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-    """AdamW with linear warmup and cosine decay (the `Trainer` clips the
-    gradients to norm `cfg.clip` before)."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1), cfg.lr * 0.1
-    )
-    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
 
 
 def make_trainer(cfg: RunConfig, model: nnx.Module | None = None) -> Trainer:
@@ -298,6 +291,7 @@ def build(cfg: RunConfig, log=print) -> Job:
             log(f"--resume: no checkpoint in {cfg.ckpt_dir}; starting a new run")
         else:
             state, meta = restored
+            state = with_schedule_of(state, cfg)  # the schedule follows this run's --steps
             position = meta["data_position"]
             if meta["residuals_reset"]:
                 log(
