@@ -18,10 +18,10 @@ CFG = GPTConfig.preset("tiny", seq_len=16, n_layers=2)
 EF = ZeroPPConfig(error_feedback=True)
 
 
-def _trainer(shape, config=EF, cfg=CFG):
+def _trainer(shape, config=EF, cfg=CFG, optimizer=None):
     devices = jax.devices()[: shape[0] * shape[1]]
     mesh = make_mesh(*shape, devices=devices)
-    return Trainer(GPT(cfg, nnx.Rngs(0)), optax.adamw(1e-2), mesh, config)
+    return Trainer(GPT(cfg, nnx.Rngs(0)), optimizer or optax.adamw(1e-2), mesh, config)
 
 
 def _trained(trainer, steps=2):
@@ -185,6 +185,10 @@ def test_errors(tmp_path, trained):
     bigger = _trainer((2, 4), cfg=GPTConfig.preset("tiny", seq_len=16, n_layers=2, d_ff=128))
     with pytest.raises(ValueError, match="another model"):
         Checkpointer(tmp_path).restore(bigger.abstract_state())
+    # an optimizer that keeps more state (its hyperparameters)
+    injected = _trainer((2, 4), optimizer=optax.inject_hyperparams(optax.adamw)(1e-2))
+    with pytest.raises(ValueError, match=r"has no .*'hyperparams'.*another model or optimizer"):
+        Checkpointer(tmp_path).restore(injected.abstract_state())
 
 
 def test_restores_across_configurations(tmp_path, trained):

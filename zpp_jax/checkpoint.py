@@ -299,7 +299,8 @@ class Checkpointer:
         if missing:
             raise UsageError(
                 f"checkpoint {step} in {self.directory} has no {missing[:3]}: it is of another "
-                "model"
+                "model or optimizer (a state of another layout, such as one an older zpp-jax "
+                "saved)"
             )
         host = SingleDeviceSharding(jax.devices()[0])
         request, reset = {}, []
