@@ -291,6 +291,69 @@ def test_schedule_estimate_walks_the_schedule_xla_made():
     assert longer.step_us == 92.0
 
 
+# Two collectives in flight at once: an all-gather (20 us) and an
+# all-to-all (40 us) both started before a 60-cycle fusion.
+_TWO_IN_FLIGHT = (
+    'hlo_module {\n  computations {\n    name: "main"\n'
+    + _dump_instruction(1, "p", "parameter")
+    + _dump_instruction(2, "all-gather-start", "all-gather-start", 1, _AG_OP)
+    + _dump_instruction(3, "all-to-all-start.1", "async-start", 1, _A2A_OP)
+    + _dump_instruction(4, "fusion.1", "fusion", 1)
+    + _dump_instruction(5, "all-gather-done", "all-gather-done", 2, _AG_OP)
+    + _dump_instruction(6, "all-to-all-done.1", "async-done", 3, _A2A_OP)
+    + _dump_instruction(7, "fusion.2", "fusion", 6)
+    + "  }\n}\ncomputation_schedules {\n  computation_id: 1\n"
+    + _timed(1, 0, 0)
+    + _timed(2, 0, 2)
+    + _timed(3, 2, 4)
+    + _timed(4, 4, 64)
+    + _timed(5, 64, 66)
+    + _timed(6, 66, 68)
+    + _timed(7, 68, 88)
+    + "  cycles_per_microsecond: 2\n}\n"
+)
+
+
+def test_collectives_wait_for_the_stream_they_share():
+    """One communication stream: the all-to-all's transfer begins when the
+    all-gather's ends (cycle 42), ends at 122, and its done (at 68) waits
+    54 cycles: 27 us exposed, a step of (88 + 54) / 2 = 71 us. With
+    transfers unqueued it would end at 84: 8 us exposed, 52 us. One queue
+    per link is the stream when both cross the NIC, and unqueued when they
+    cross different links. The compute alone is 88 cycles, 44 us."""
+    from zpp_jax.analysis import schedule_estimate
+
+    links = {"all-gather-start": "nvlink", "all-to-all-start.1": "nic"}
+    stream = schedule_estimate(_TWO_IN_FLIGHT, _LATENCY_US, links)
+    assert stream.queue == "stream" and stream.step_us == 71.0
+    assert stream.exposed_us["all-to-all"] == 27.0 and stream.exposed_us["all-gather"] == 0.0
+    assert stream.compute_us == 44.0
+    assert stream.link_busy_us == {"nvlink": 20.0, "nic": 40.0} and stream.busiest_link_us == 40.0
+    unqueued = schedule_estimate(_TWO_IN_FLIGHT, _LATENCY_US, links, queue="none")
+    assert unqueued.step_us == 52.0 and unqueued.exposed_total_us == 8.0
+    assert schedule_estimate(_TWO_IN_FLIGHT, _LATENCY_US, links, queue="link").step_us == 52.0
+    both_nic = dict.fromkeys(links, "nic")
+    assert schedule_estimate(_TWO_IN_FLIGHT, _LATENCY_US, both_nic, queue="link").step_us == 71.0
+    with pytest.raises(ValueError, match="queue must be one of"):
+        schedule_estimate(_TWO_IN_FLIGHT, _LATENCY_US, links, queue="fifo")
+
+
+@pytest.mark.parametrize("queue", ["stream", "link"])
+def test_the_step_is_never_below_its_busiest_link(queue):
+    """Both collectives on the NIC, 3x as long: the NIC is busy 180 us. A
+    walk that lets them overlap would put the step at 132 us, below the
+    time the link needs; a queued walk never does."""
+    from zpp_jax.analysis import schedule_estimate
+
+    latency = {name: 3 * us for name, us in _LATENCY_US.items()}
+    nic = dict.fromkeys(latency, "nic")
+    unqueued = schedule_estimate(_TWO_IN_FLIGHT, latency, nic, queue="none")
+    assert unqueued.step_us == 132.0 < unqueued.busiest_link_us == 180.0
+    est = schedule_estimate(_TWO_IN_FLIGHT, latency, nic, queue=queue)
+    assert est.step_us >= est.busiest_link_us == 180.0
+    assert est.step_us == 1 + 180 + 10  # the first start, the two transfers, the last fusion
+
+
 def test_schedule_estimate_needs_every_collectives_latency_and_a_schedule():
     from zpp_jax.analysis import schedule_estimate
 

@@ -29,6 +29,21 @@ def collective_latencies_us(hlo_text: str, local: int, links: LinkModel) -> dict
     }
 
 
+# The links `collective_links` names: a collective whose group spans nodes
+# is bound by the NICs (its NVLink hops are faster), any other by NVLink.
+NIC, NVLINK = "nic", "nvlink"
+
+
+def collective_links(hlo_text: str, local: int) -> dict[str, str]:
+    """The link (`NIC` or `NVLINK`) each asynchronous collective of
+    `hlo_text` crosses, by the names `collective_latencies_us` uses."""
+    names = scheduling_names(hlo_text)
+    return {
+        names.get(c.name, c.name): NIC if c.spans_nodes(local) else NVLINK
+        for c in collectives_in_hlo(hlo_text)
+    }
+
+
 def collective_costs(hlo_text: str, local: int, links: LinkModel) -> str:
     """A latency profile (XLA's ``ProfiledInstructionsProto``, text format)
     pricing each asynchronous collective of `hlo_text` as

@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 
 from zpp_jax.analysis.hlo import has_loop, summarize
-from zpp_jax.analysis.links import collective_latencies_us
+from zpp_jax.analysis.links import collective_latencies_us, collective_links
 from zpp_jax.analysis.schedule import (
     overlap_by_kind,
     read_estimate,
@@ -65,8 +65,9 @@ def compile_with_estimate(trainer, batch: dict) -> tuple:
         if trainer.links is None:
             return compiled, None
         _, local = mesh_shape(trainer.mesh)
-        latencies = collective_latencies_us(compiled.as_text(), local, trainer.links)
-        return compiled, read_estimate(Path(dump), latencies)
+        text = compiled.as_text()
+        latencies = collective_latencies_us(text, local, trainer.links)
+        return compiled, read_estimate(Path(dump), latencies, collective_links(text, local))
 
 
 def report_of(trainer, compiled, estimate) -> dict:
@@ -148,6 +149,14 @@ def unit_of(op: str) -> str:
     parameters outside units, the optimizer's reductions)."""
     found = _UNIT.search(op)
     return found.group(1) if found else ""
+
+
+def links_and_compute(estimate: dict) -> str:
+    """One line of an estimate (`ScheduleEstimate` as a dict): the kernels
+    alone, and each link's busy time, in ms."""
+    links = estimate["link_busy_us"].items()
+    busy = ", ".join(f"{link} busy {us / 1e3:.2f} ms" for link, us in links)
+    return f"compute alone {estimate['compute_us'] / 1e3:.2f} ms" + (f", {busy}" if busy else "")
 
 
 def exposed_by_unit(collectives: list[dict]) -> dict[str, dict[str, int]]:

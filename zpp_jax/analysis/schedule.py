@@ -190,6 +190,17 @@ def unhideable_by_kind(scheduled: list[Scheduled]) -> dict[str, int]:
     return out
 
 
+# How the estimate queues the transfers of asynchronous collectives.
+# "stream": one after another in the order they start, whichever links they
+# cross: XLA:GPU runs every asynchronous collective (but point-to-point
+# sends) on one communication stream (its `AsyncStreamKind::kCollective`),
+# and a stream runs one kernel at a time. "link": one queue per link, as if
+# the NIC and NVLink transfers ran on streams of their own. "none": any
+# number in flight at once, each at its link's full bandwidth (what XLA's
+# scheduler assumes; the step can then fall below what the links need).
+QUEUES = ("stream", "link", "none")
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduleEstimate:
     """XLA:GPU's latency-hiding scheduler's cost model applied to the step it
@@ -198,6 +209,10 @@ class ScheduleEstimate:
     scheduled while it is in flight do not cover; `exposed_by_op`, the same
     per op name (what the program was doing: a unit's scope, its gather or
     reduction) and kind, summed over the collectives that share them.
+    `compute_us`: the kernels alone, the step if no transfer took time;
+    `link_busy_us`: per link, the sum of its transfers' times, a floor
+    under the step (with `queue` "stream" or "link", `step_us` is never
+    below it); `queue`: how transfers waited for each other (`QUEUES`).
 
     The kernels' times are the scheduler's (derived from the target's
     description; a flat cost for a kernel it cannot model, such as a Pallas
@@ -215,50 +230,96 @@ class ScheduleEstimate:
     step_us: float
     exposed_us: dict[str, float]
     exposed_by_op: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    compute_us: float = 0.0
+    link_busy_us: dict[str, float] = dataclasses.field(default_factory=dict)
+    queue: str = "stream"
 
     @property
     def exposed_total_us(self) -> float:
         return sum(self.exposed_us.values())
 
+    @property
+    def busiest_link_us(self) -> float:
+        return max(self.link_busy_us.values(), default=0.0)
 
-def schedule_estimate(schedule_text: str, latency_us: dict[str, float]) -> ScheduleEstimate | None:
+
+def schedule_estimate(
+    schedule_text: str,
+    latency_us: dict[str, float],
+    link_of: dict[str, str] | None = None,
+    queue: str = "stream",
+) -> ScheduleEstimate | None:
     """The `ScheduleEstimate` of the schedule in a schedule dump (the
     ``*.schedule.txt`` that ``xla_dump_latency_hiding_schedule`` writes),
     with `latency_us` the time each asynchronous collective takes, by the
     name XLA's scheduler knows its start by (the latency profile it was
-    given: `zpp_jax.analysis.links.collective_latencies_us`).
+    given: `zpp_jax.analysis.links.collective_latencies_us`), and `link_of`
+    the link each crosses, by the same names
+    (`zpp_jax.analysis.links.collective_links`; absent names, or no
+    `link_of`, count as one link "link").
 
     The schedule is walked in order as XLA's scheduler statistics walk
-    it: each instruction adds its cost; a collective's done adds what its
-    latency leaves uncovered by the costs since its start. (The statistics
-    the dump itself carries are of the order before scheduling, every
-    collective next to its own done, so they count nearly all communication
-    as exposed.) None when the dump holds no timed schedule, or a
-    collective has no latency in `latency_us`."""
+    it: each instruction adds its cost. A collective's transfer begins at
+    its start or, when its queue (`queue`, one of `QUEUES`) is busy, when
+    the transfer before it ends; its done waits for the transfer's end.
+    (The statistics the dump itself carries are of the order before
+    scheduling, every collective next to its own done, so they count nearly
+    all communication as exposed.) None when the dump holds no timed
+    schedule, or a collective has no latency in `latency_us`."""
+    if queue not in QUEUES:
+        raise ValueError(f"queue must be one of {QUEUES}, got {queue!r}")
     instructions, schedules, per_us = _read_dump(schedule_text)
     if not schedules:
         return None
-    order = max(schedules, key=len)
-    now, started = 0.0, {}
-    exposed = dict.fromkeys(KINDS, 0.0)
-    by_op: dict[str, dict[str, float]] = {}
-    for ident, cost in order:
-        info = instructions.get(ident, {})
-        now += cost
+    walk = _Walk(instructions, latency_us, link_of or {}, queue, per_us)
+    for ident, cost in max(schedules, key=len):
+        if not walk.step(ident, cost):
+            return None
+    return walk.estimate()
+
+
+class _Walk:
+    """`schedule_estimate`'s clock, queues and sums (in cycles)."""
+
+    def __init__(self, instructions, latency_us, link_of, queue, per_us) -> None:
+        self.instructions, self.latency_us, self.link_of = instructions, latency_us, link_of
+        self.queue, self.per_us = queue, per_us
+        self.now = self.compute = 0.0
+        self.free: dict[str, float] = {}  # per queue: when its last transfer ends
+        self.ends: dict[int, float] = {}  # per started collective: when its transfer ends
+        self.exposed = dict.fromkeys(KINDS, 0.0)
+        self.by_op: dict[str, dict[str, float]] = {}
+        self.busy: dict[str, float] = {}
+
+    def step(self, ident: int, cost: float) -> bool:
+        """Walk one instruction; False when a collective has no latency."""
+        info = self.instructions.get(ident, {})
+        self.now += cost
+        self.compute += cost
         if _started_kind(info):
-            started[ident] = int(now)  # XLA's statistics keep whole cycles
-        elif info.get("opcode", "").endswith("-done") and info.get("operand") in started:
-            start = instructions[info["operand"]]
-            latency = latency_us.get(start["name"])
+            latency = self.latency_us.get(info.get("name"))
             if latency is None:
-                return None
-            wasted = max(0.0, latency * per_us - (now - started[info["operand"]]))
-            now += wasted
+                return False
+            link = self.link_of.get(info.get("name"), "link")
+            self.busy[link] = self.busy.get(link, 0.0) + latency
+            key = {"stream": "stream", "link": link, "none": ident}[self.queue]
+            begin = max(float(int(self.now)), self.free.get(key, 0.0))  # whole cycles, as XLA's
+            self.ends[ident] = self.free[key] = begin + latency * self.per_us
+        elif info.get("opcode", "").endswith("-done") and info.get("operand") in self.ends:
+            start = self.instructions[info["operand"]]
+            wasted = max(0.0, self.ends[info["operand"]] - self.now)
+            self.now += wasted
             kind = _started_kind(start)
-            exposed[kind] += wasted / per_us
-            kinds = by_op.setdefault(start.get("op_name", ""), {})
-            kinds[kind] = kinds.get(kind, 0.0) + wasted / per_us
-    return ScheduleEstimate(now / per_us, exposed, by_op)
+            self.exposed[kind] += wasted / self.per_us
+            kinds = self.by_op.setdefault(start.get("op_name", ""), {})
+            kinds[kind] = kinds.get(kind, 0.0) + wasted / self.per_us
+        return True
+
+    def estimate(self) -> ScheduleEstimate:
+        us = self.per_us
+        return ScheduleEstimate(
+            self.now / us, self.exposed, self.by_op, self.compute / us, self.busy, self.queue
+        )
 
 
 def _started_kind(info: dict) -> str | None:
@@ -306,9 +367,14 @@ def _read_dump(text: str) -> tuple[dict[int, dict], list[list[tuple[int, float]]
     return instructions, timed_schedules, per_us
 
 
-def read_estimate(dump: Path, latency_us: dict[str, float]) -> ScheduleEstimate | None:
+def read_estimate(
+    dump: Path,
+    latency_us: dict[str, float],
+    link_of: dict[str, str] | None = None,
+    queue: str = "stream",
+) -> ScheduleEstimate | None:
     """The estimate of the step dumped in `dump` (`schedule_estimate`): of
     the longest module, if XLA compiled more than the step into it."""
     files = sorted(dump.glob("*.schedule.txt"))
-    estimates = [schedule_estimate(f.read_text(), latency_us) for f in files]
+    estimates = [schedule_estimate(f.read_text(), latency_us, link_of, queue) for f in files]
     return max((e for e in estimates if e is not None), key=lambda e: e.step_us, default=None)

@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 
 from zpp_jax.analysis import step_report, target_mesh
-from zpp_jax.analysis.report import exposed_by_unit, exposed_time_by_unit
+from zpp_jax.analysis.report import exposed_by_unit, exposed_time_by_unit, links_and_compute
 from zpp_jax.baseline import JitFSDP
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
@@ -175,8 +175,10 @@ def _print_schedule(reports: list[dict]) -> None:
     and what each collective runs behind."""
     print(
         "XLA's estimate of the step (its scheduler's cost model on the schedule it made, "
-        "collectives priced on the link model; not a measurement): step time, and "
-        "communication time that no compute covers:"
+        "collectives priced on the link model and run one at a time on one communication "
+        "stream, as XLA:GPU runs them; not a measurement): step time, communication time "
+        "that no compute covers, the kernels alone, and each link's busy time (a floor "
+        "under the step):"
     )
     for r in reports:
         est = r["estimate"]
@@ -190,6 +192,7 @@ def _print_schedule(reports: list[dict]) -> None:
             f"{exposed / 1e3:7.2f} ms ({exposed / est['step_us']:.1%})"
             + (f": {kinds}" if kinds else "")
         )
+        print(f"  {'':10s}{links_and_compute(est)}")
     print(
         "runs per step that no schedule of the program can put behind a GEMM (every "
         "GEMM of the program, or of their loop iteration, feeds them or needs them):"

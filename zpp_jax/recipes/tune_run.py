@@ -119,7 +119,13 @@ def measure_target(trainer, batch: dict) -> dict:
     if estimate is None:
         return {**_row(report), "step_s": None, "note": report["estimate_withheld"]}
     exposed = sum(estimate["exposed_us"].values()) / 1e6
-    return {**_row(report), "step_s": estimate["step_us"] / 1e6, "exposed_s": exposed}
+    return {
+        **_row(report),
+        "step_s": estimate["step_us"] / 1e6,
+        "exposed_s": exposed,
+        "compute_s": estimate["compute_us"] / 1e6,
+        "link_busy_s": {k: v / 1e6 for k, v in estimate["link_busy_us"].items()},
+    }
 
 
 def _row(report: dict) -> dict:
@@ -345,7 +351,7 @@ def rank(row: dict) -> tuple:
 def _summary(row: dict) -> dict:
     """A row as the config file's provenance keeps it (JSON, no config)."""
     keys = ("name", "step_s", "search_step_s", "confirmed", "exposed_s", "grad_error")
-    keys += ("bound_s", "note")
+    keys += ("bound_s", "note", "compute_s", "link_busy_s")
     keys += ("cross_node_bytes", "intra_node_bytes", "peak_memory_bytes")
     return {k: row[k] for k in keys if row.get(k) is not None}
 
@@ -369,11 +375,20 @@ def table(result: dict, target: str) -> str:
         lines.append(
             f"{mark:>2} {r['name']:28} {r['step_s'] * 1e3:19.1f} ms {exposed:>9} "
             f"{r['cross_node_bytes'] / 1e6:14.2f} {r['peak_memory_bytes'] / 1e9:8.3f} {error:>10}"
+            + _links_and_compute(r)
         )
     again = sum(bool(r.get("confirmed")) for r in result["rows"])
     if again:
         lines.append(f"(the first {again} timed again side by side, and chosen among)")
     return "\n".join(lines)
+
+
+def _links_and_compute(row: dict) -> str:
+    """A GPU target's row: the kernels alone and each link's busy time."""
+    if row.get("compute_s") is None:
+        return ""
+    busy = "".join(f", {k} {v * 1e3:.1f} ms" for k, v in row["link_busy_s"].items())
+    return f"   compute {row['compute_s'] * 1e3:.1f} ms{busy}"
 
 
 def run_tune_command(cfg: TuneConfig) -> int:
