@@ -240,25 +240,34 @@ def _timed(ident, start, end):
     )
 
 
-_SCHEDULE_DUMP = (
-    'hlo_module {\n  computations {\n    name: "main"\n'
-    + _dump_instruction(1, "p", "parameter")
-    + _dump_instruction(2, "all-gather-start", "all-gather-start", 1, _AG_OP)
-    + _dump_instruction(3, "fusion.1", "fusion", 1)
-    + _dump_instruction(4, "all-gather-done", "all-gather-done", 2, _AG_OP)
-    + _dump_instruction(5, "all-to-all-start.1", "async-start", 3, _A2A_OP)
-    + _dump_instruction(6, "all-to-all-done.1", "async-done", 5, _A2A_OP)
-    + _dump_instruction(7, "fusion.2", "fusion", 6)
-    + "  }\n}\ncomputation_schedules {\n  computation_id: 1\n"
-    + _timed(1, 0, 0)
-    + _timed(2, 0, 2)
-    + _timed(3, 2, 62)
-    + _timed(4, 62, 64)
-    + _timed(5, 64, 66)
-    + _timed(6, 66, 68)
-    + _timed(7, 148, 168)
-    + "  scheduler_statistics {\n    all_gather_wasted_cycles: 40\n"
-    "    total_cycles: 500\n  }\n  cycles_per_microsecond: 2\n}\n"
+def _dump(instructions, timings, statistics=""):
+    """A schedule dump of one computation: `instructions` as
+    `_dump_instruction`'s arguments, in order, with their (start, end)
+    cycles in `timings`, at 2 cycles per microsecond."""
+    module = "".join(_dump_instruction(i, *args) for i, args in enumerate(instructions, 1))
+    timed = "".join(_timed(i, *t) for i, t in enumerate(timings, 1))
+    return (
+        'hlo_module {\n  computations {\n    name: "main"\n'
+        + module
+        + "  }\n}\ncomputation_schedules {\n  computation_id: 1\n"
+        + timed
+        + statistics
+        + "  cycles_per_microsecond: 2\n}\n"
+    )
+
+
+_SCHEDULE_DUMP = _dump(
+    [
+        ("p", "parameter"),
+        ("all-gather-start", "all-gather-start", 1, _AG_OP),
+        ("fusion.1", "fusion", 1),
+        ("all-gather-done", "all-gather-done", 2, _AG_OP),
+        ("all-to-all-start.1", "async-start", 3, _A2A_OP),
+        ("all-to-all-done.1", "async-done", 5, _A2A_OP),
+        ("fusion.2", "fusion", 6),
+    ],
+    [(0, 0), (0, 2), (2, 62), (62, 64), (64, 66), (66, 68), (148, 168)],
+    "  scheduler_statistics {\n    all_gather_wasted_cycles: 40\n    total_cycles: 500\n  }\n",
 )
 _LATENCY_US = {"all-gather-start": 20.0, "all-to-all-start.1": 40.0}
 
@@ -293,24 +302,17 @@ def test_schedule_estimate_walks_the_schedule_xla_made():
 
 # Two collectives in flight at once: an all-gather (20 us) and an
 # all-to-all (40 us) both started before a 60-cycle fusion.
-_TWO_IN_FLIGHT = (
-    'hlo_module {\n  computations {\n    name: "main"\n'
-    + _dump_instruction(1, "p", "parameter")
-    + _dump_instruction(2, "all-gather-start", "all-gather-start", 1, _AG_OP)
-    + _dump_instruction(3, "all-to-all-start.1", "async-start", 1, _A2A_OP)
-    + _dump_instruction(4, "fusion.1", "fusion", 1)
-    + _dump_instruction(5, "all-gather-done", "all-gather-done", 2, _AG_OP)
-    + _dump_instruction(6, "all-to-all-done.1", "async-done", 3, _A2A_OP)
-    + _dump_instruction(7, "fusion.2", "fusion", 6)
-    + "  }\n}\ncomputation_schedules {\n  computation_id: 1\n"
-    + _timed(1, 0, 0)
-    + _timed(2, 0, 2)
-    + _timed(3, 2, 4)
-    + _timed(4, 4, 64)
-    + _timed(5, 64, 66)
-    + _timed(6, 66, 68)
-    + _timed(7, 68, 88)
-    + "  cycles_per_microsecond: 2\n}\n"
+_TWO_IN_FLIGHT = _dump(
+    [
+        ("p", "parameter"),
+        ("all-gather-start", "all-gather-start", 1, _AG_OP),
+        ("all-to-all-start.1", "async-start", 1, _A2A_OP),
+        ("fusion.1", "fusion", 1),
+        ("all-gather-done", "all-gather-done", 2, _AG_OP),
+        ("all-to-all-done.1", "async-done", 3, _A2A_OP),
+        ("fusion.2", "fusion", 6),
+    ],
+    [(0, 0), (0, 2), (2, 4), (4, 64), (64, 66), (66, 68), (68, 88)],
 )
 
 
