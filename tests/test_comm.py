@@ -224,13 +224,24 @@ _AG_OP = "jit(step)/jvp(zpp_unit[layers/0])/shard_map/zpp_gather/all_gather"
 _A2A_OP = "jit(step)/transpose(zpp_unit[layers/1])/shard_map/zpp_reduce/all_to_all"
 
 
-def _dump_instruction(ident, name, opcode, operand=None, op_name=None):
+def _dump_instruction(ident, name, opcode, operand=None, op_name=None, shape="", target=None):
     meta = f'      metadata {{\n        op_name: "{op_name}"\n      }}\n' if op_name else ""
     operand = f"      operand_ids: {operand}\n" if operand else ""
+    shape = f"      shape {{\n{shape}      }}\n" if shape else ""
+    target = f'      custom_call_target: "{target}"\n' if target else ""
     return (
         f'    instructions {{\n      name: "{name}"\n      opcode: "{opcode}"\n'
-        f"{meta}      id: {ident}\n{operand}    }}\n"
+        f"{shape}{meta}{target}      id: {ident}\n{operand}    }}\n"
     )
+
+
+def _array(element_type, *dims, indent=8):
+    """A shape's array, as XLA dumps it: with a layout whose tiles have
+    dimensions of their own (not the array's)."""
+    pad = " " * indent
+    lines = [f"{pad}element_type: {element_type}"] + [f"{pad}dimensions: {d}" for d in dims]
+    lines += [f"{pad}layout {{", f"{pad}  tiles {{", f"{pad}    dimensions: 128", f"{pad}  }}"]
+    return "\n".join([*lines, f"{pad}}}"]) + "\n"
 
 
 def _timed(ident, start, end):
@@ -354,6 +365,54 @@ def test_the_step_is_never_below_its_busiest_link(queue):
     est = schedule_estimate(_TWO_IN_FLIGHT, latency, nic, queue=queue)
     assert est.step_us >= est.busiest_link_us == 180.0
     assert est.step_us == 1 + 180 + 10  # the first start, the two transfers, the last fusion
+
+
+# A Pallas kernel reading an F32[1024, 256] (1 MiB) and writing its int8
+# codes (256 KiB) and one fp32 scale per 32 values (32 KiB): 1,343,488
+# bytes. XLA scheduled it at a flat 10 us (20 cycles, 2 per us).
+_PALLAS_DUMP = _dump(
+    [
+        ("p", "parameter", None, None, _array("F32", 1024, 256)),
+        (
+            "pallas_call.1",
+            "custom-call",
+            1,
+            "jit(step)/zpp_quantize/pallas_call",
+            "        element_type: TUPLE\n"
+            + "        tuple_shapes {\n"
+            + _array("S8", 1024, 256, indent=10)
+            + "        }\n        tuple_shapes {\n"
+            + _array("F32", 1024, 8, indent=10)
+            + "        }\n",
+            "__gpu$xla.gpu.triton",
+        ),
+        ("fusion.1", "fusion", 2),
+    ],
+    [(0, 0), (0, 20), (20, 40)],
+)
+
+
+def test_a_pallas_kernel_costs_its_bytes_at_the_memory_bandwidth(tmp_path):
+    """At 1 TB/s the kernel costs a launch (1 us) and 1.343488 us of
+    memory traffic, in place of XLA's flat 10 us; read from a dump, the
+    bandwidth is that of the target description XLA wrote beside it."""
+    from zpp_jax.analysis import schedule_estimate
+    from zpp_jax.analysis.schedule import memory_bandwidth, read_estimate
+
+    flat = schedule_estimate(_PALLAS_DUMP, {})
+    assert flat.step_us == 20.0 and flat.pallas_us == 10.0 and flat.pallas_calls == 1
+    assert not flat.pallas_from_bytes
+    priced = schedule_estimate(_PALLAS_DUMP, {}, memory_bytes_per_s=1e12)
+    assert priced.pallas_us == pytest.approx(1 + 1.343488) and priced.pallas_from_bytes
+    assert priced.step_us == pytest.approx(priced.compute_us) == pytest.approx(10 + 2.343488)
+
+    (tmp_path / "module_0001.jit_step.schedule.txt").write_text(_PALLAS_DUMP)
+    assert memory_bandwidth(tmp_path) is None
+    assert read_estimate(tmp_path, {}).pallas_us == 10.0
+    config = "gpu_device_info {\n  memory_bandwidth: 1000000000000\n  l2_cache_size: 1\n}\n"
+    (tmp_path / "module_0001.jit_step.gpu_target_config.pbtxt").write_text(config)
+    assert memory_bandwidth(tmp_path) == 1e12
+    assert read_estimate(tmp_path, {}).pallas_us == pytest.approx(2.343488)
 
 
 def test_schedule_estimate_needs_every_collectives_latency_and_a_schedule():

@@ -153,10 +153,17 @@ def unit_of(op: str) -> str:
 
 def links_and_compute(estimate: dict) -> str:
     """One line of an estimate (`ScheduleEstimate` as a dict): the kernels
-    alone, and each link's busy time, in ms."""
+    alone, each link's busy time, and the Pallas kernels' share, in ms."""
     links = estimate["link_busy_us"].items()
     busy = ", ".join(f"{link} busy {us / 1e3:.2f} ms" for link, us in links)
-    return f"compute alone {estimate['compute_us'] / 1e3:.2f} ms" + (f", {busy}" if busy else "")
+    line = f"compute alone {estimate['compute_us'] / 1e3:.2f} ms" + (f", {busy}" if busy else "")
+    if estimate["pallas_calls"]:
+        how = "their bytes" if estimate["pallas_from_bytes"] else "XLA's flat cost"
+        line += (
+            f"; Pallas kernels {estimate['pallas_us'] / 1e3:.2f} ms of the compute "
+            f"({estimate['pallas_calls']} calls, priced from {how})"
+        )
+    return line
 
 
 def exposed_by_unit(collectives: list[dict]) -> dict[str, dict[str, int]]:

@@ -213,11 +213,14 @@ class ScheduleEstimate:
     `link_busy_us`: per link, the sum of its transfers' times, a floor
     under the step (with `queue` "stream" or "link", `step_us` is never
     below it); `queue`: how transfers waited for each other (`QUEUES`).
+    `pallas_us`: the part of `compute_us` in the `pallas_calls` Pallas
+    kernels, priced from the bytes they move at the GPU's memory bandwidth
+    when `pallas_from_bytes`, else at XLA's flat cost.
 
     The kernels' times are the scheduler's (derived from the target's
-    description; a flat cost for a kernel it cannot model, such as a Pallas
-    call), and each collective's is the price it was scheduled with (the
-    link model, `zpp_jax.analysis.links`): nothing was run.
+    description), but for the Pallas calls (above), and each collective's
+    is the price it was scheduled with (the link model,
+    `zpp_jax.analysis.links`): nothing was run.
 
     Only for a program without loops: a loop's body would count once.
 
@@ -233,6 +236,9 @@ class ScheduleEstimate:
     compute_us: float = 0.0
     link_busy_us: dict[str, float] = dataclasses.field(default_factory=dict)
     queue: str = "stream"
+    pallas_us: float = 0.0
+    pallas_calls: int = 0
+    pallas_from_bytes: bool = False
 
     @property
     def exposed_total_us(self) -> float:
@@ -248,6 +254,7 @@ def schedule_estimate(
     latency_us: dict[str, float],
     link_of: dict[str, str] | None = None,
     queue: str = "stream",
+    memory_bytes_per_s: float | None = None,
 ) -> ScheduleEstimate | None:
     """The `ScheduleEstimate` of the schedule in a schedule dump (the
     ``*.schedule.txt`` that ``xla_dump_latency_hiding_schedule`` writes),
@@ -264,14 +271,18 @@ def schedule_estimate(
     the transfer before it ends; its done waits for the transfer's end.
     (The statistics the dump itself carries are of the order before
     scheduling, every collective next to its own done, so they count nearly
-    all communication as exposed.) None when the dump holds no timed
-    schedule, or a collective has no latency in `latency_us`."""
+    all communication as exposed.) XLA prices a Pallas kernel at a flat
+    cost; with `memory_bytes_per_s` it costs a launch (`KERNEL_LAUNCH_US`)
+    and the bytes it reads and writes (its operands and its result) at that
+    bandwidth instead: the kernels are memory-bound. None when the
+    dump holds no timed schedule, or a collective has no latency in
+    `latency_us`."""
     if queue not in QUEUES:
         raise ValueError(f"queue must be one of {QUEUES}, got {queue!r}")
     instructions, schedules, per_us = _read_dump(schedule_text)
     if not schedules:
         return None
-    walk = _Walk(instructions, latency_us, link_of or {}, queue, per_us)
+    walk = _Walk(instructions, latency_us, link_of or {}, queue, per_us, memory_bytes_per_s)
     for ident, cost in max(schedules, key=len):
         if not walk.step(ident, cost):
             return None
@@ -281,9 +292,10 @@ def schedule_estimate(
 class _Walk:
     """`schedule_estimate`'s clock, queues and sums (in cycles)."""
 
-    def __init__(self, instructions, latency_us, link_of, queue, per_us) -> None:
+    def __init__(self, instructions, latency_us, link_of, queue, per_us, bandwidth) -> None:
         self.instructions, self.latency_us, self.link_of = instructions, latency_us, link_of
-        self.queue, self.per_us = queue, per_us
+        self.queue, self.per_us, self.bandwidth = queue, per_us, bandwidth
+        self.pallas = self.pallas_calls = 0.0
         self.now = self.compute = 0.0
         self.free: dict[str, float] = {}  # per queue: when its last transfer ends
         self.ends: dict[int, float] = {}  # per started collective: when its transfer ends
@@ -294,6 +306,8 @@ class _Walk:
     def step(self, ident: int, cost: float) -> bool:
         """Walk one instruction; False when a collective has no latency."""
         info = self.instructions.get(ident, {})
+        if info.get("custom_call_target") == PALLAS_TARGET:
+            cost = self._pallas_cost(info, cost)
         self.now += cost
         self.compute += cost
         if _started_kind(info):
@@ -315,10 +329,30 @@ class _Walk:
             kinds[kind] = kinds.get(kind, 0.0) + wasted / self.per_us
         return True
 
+    def _pallas_cost(self, info: dict, flat: float) -> float:
+        """A Pallas kernel's cycles: a launch and its bytes at the memory
+        bandwidth, or XLA's flat cost without one."""
+        cost = flat
+        if self.bandwidth:
+            operands = sum(self.instructions.get(o, {}).get("bytes", 0) for o in info["operands"])
+            moved_s = (info.get("bytes", 0) + operands) / self.bandwidth
+            cost = (KERNEL_LAUNCH_US + moved_s * 1e6) * self.per_us
+        self.pallas += cost
+        self.pallas_calls += 1
+        return cost
+
     def estimate(self) -> ScheduleEstimate:
         us = self.per_us
         return ScheduleEstimate(
-            self.now / us, self.exposed, self.by_op, self.compute / us, self.busy, self.queue
+            self.now / us,
+            self.exposed,
+            self.by_op,
+            self.compute / us,
+            self.busy,
+            self.queue,
+            self.pallas / us,
+            int(self.pallas_calls),
+            self.bandwidth is not None,
         )
 
 
@@ -332,24 +366,44 @@ def _started_kind(info: dict) -> str | None:
     return None
 
 
+# Bytes per element of XLA's element types (a 4-bit type packs two).
+_ELEMENT_BYTES = {
+    "PRED": 1, "S4": 0.5, "U4": 0.5, "S8": 1, "U8": 1, "S16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "S32": 4, "U32": 4, "F32": 4, "S64": 8, "U64": 8, "F64": 8, "C64": 8, "C128": 16,
+}  # fmt: skip
+# A Pallas kernel as XLA:GPU calls it, and what a kernel launch costs in
+# XLA:GPU's performance model (its kKernelLaunchOverhead).
+PALLAS_TARGET = "__gpu$xla.gpu.triton"
+KERNEL_LAUNCH_US = 1.0
+
+
 def _read_dump(text: str) -> tuple[dict[int, dict], list[list[tuple[int, float]]], float]:
-    """(Instructions by id: name, opcode, op name, first operand; each
-    computation's schedule as (id, cost in cycles) in order; cycles per
-    microsecond) of a schedule dump in protobuf text format."""
+    """(Instructions by id: name, opcode, op name, first operand, all
+    operands, custom-call target, result bytes; each computation's schedule
+    as (id, cost in cycles) in order; cycles per microsecond) of a schedule
+    dump in protobuf text format."""
     instructions: dict[int, dict] = {}
     schedules: list[list[tuple[int, float]]] = []
-    per_us, current, timed = 1.0, None, None
+    per_us, current, timed, shape = 1.0, None, None, None
     for line in text.splitlines():
-        if line == "    instructions {":  # an instruction of the HLO module
+        if shape is not None:  # inside an instruction's result shape
+            if line == "      }":
+                current["bytes"], shape = _shape_bytes(shape), None
+            else:
+                shape.append(line)
+        elif line == "    instructions {":  # an instruction of the HLO module
             current = {}
+        elif line == "      shape {" and current is not None:
+            shape = []
         elif line.startswith("      ") and current is not None and not line.startswith("       "):
             key, _, value = line.strip().partition(": ")
-            if key in ("name", "opcode"):
+            if key in ("name", "opcode", "custom_call_target"):
                 current[key] = value.strip('"')
             elif key == "id":
                 instructions[int(value)] = current
-            elif key == "operand_ids" and "operand" not in current:
-                current["operand"] = int(value)
+            elif key == "operand_ids":
+                current.setdefault("operand", int(value))
+                current.setdefault("operands", []).append(int(value))
         elif line.startswith("        op_name: ") and current is not None:
             current.setdefault("op_name", line.split(": ", 1)[1][1:-1])
         elif line.startswith("computation_schedules"):
@@ -367,6 +421,31 @@ def _read_dump(text: str) -> tuple[dict[int, dict], list[list[tuple[int, float]]
     return instructions, timed_schedules, per_us
 
 
+def _shape_bytes(lines: list[str]) -> float:
+    """The bytes of a shape (the lines inside ``shape { }``): an array's
+    elements, or the sum over a tuple's arrays. A ``dimensions`` line
+    belongs to the ``element_type`` at its own depth (a layout's tiles have
+    dimensions of their own, deeper)."""
+    arrays: list[list] = []  # [depth, bytes per element, elements]
+    for line in lines:
+        depth, text = len(line) - len(line.lstrip()), line.strip()
+        if text.startswith("element_type: "):
+            arrays.append([depth, _ELEMENT_BYTES.get(text.split(": ")[1], 0), 1])
+        elif text.startswith("dimensions: ") and arrays and arrays[-1][0] == depth:
+            arrays[-1][2] *= int(text.split(": ")[1])
+    return sum(size * count for _, size, count in arrays)
+
+
+def memory_bandwidth(dump: Path) -> float | None:
+    """Bytes per second of the GPU memory, from the target description XLA
+    wrote into `dump` (``*.gpu_target_config.pbtxt``); None without one."""
+    for path in sorted(dump.glob("*gpu_target_config.pbtxt")):
+        found = re.search(r"^\s*memory_bandwidth:\s*(\d+)", path.read_text(), re.M)
+        if found:
+            return float(found.group(1))
+    return None
+
+
 def read_estimate(
     dump: Path,
     latency_us: dict[str, float],
@@ -374,7 +453,12 @@ def read_estimate(
     queue: str = "stream",
 ) -> ScheduleEstimate | None:
     """The estimate of the step dumped in `dump` (`schedule_estimate`): of
-    the longest module, if XLA compiled more than the step into it."""
+    the longest module, if XLA compiled more than the step into it; its
+    Pallas kernels priced at the memory bandwidth of the GPU XLA compiled
+    for (`memory_bandwidth`)."""
+    bandwidth = memory_bandwidth(dump)
     files = sorted(dump.glob("*.schedule.txt"))
-    estimates = [schedule_estimate(f.read_text(), latency_us, link_of, queue) for f in files]
+    estimates = [
+        schedule_estimate(f.read_text(), latency_us, link_of, queue, bandwidth) for f in files
+    ]
     return max((e for e in estimates if e is not None), key=lambda e: e.step_us, default=None)
