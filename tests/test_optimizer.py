@@ -23,15 +23,16 @@ BASE = RunConfig(seq_len=16, batch=8, vocab_size=256, warmup=1, eval_every=0, pr
     ("lr", "warmup", "steps"), [(3e-3, 1, 2), (3e-3, 10, 100), (1e-4, 7, 1000), (0.5, 100, 101)]
 )
 def test_the_schedule_is_optaxs(lr, warmup, steps):
-    """At every step and past the end, to float32 round-off (the same
-    formulas; XLA may fuse them differently)."""
+    """At every step and past the end, to float32 round-off of the peak
+    (the same formulas; XLA may fuse them differently, and where the cosine
+    is near its end the few ulp of a cosine are a larger share)."""
     counts = jnp.arange(steps + 5)
     ours = jax.jit(jax.vmap(warmup_cosine, (0, None, None, None)))(counts, lr, warmup, steps)
     optaxs = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr * 0.1)
     expected = jax.vmap(optaxs)(counts)
     assert float(ours[0]) == 0.0 and float(ours[warmup]) == np.float32(lr)
-    np.testing.assert_allclose(ours, expected, rtol=4 * 2.0**-24, atol=0)
-    np.testing.assert_allclose(ours[steps:], np.float32(lr * 0.1), rtol=4 * 2.0**-24)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=4 * 2.0**-24 * lr)
+    np.testing.assert_allclose(ours[steps:], np.float32(lr * 0.1), rtol=0, atol=4 * 2.0**-24 * lr)
 
 
 def _step_program(cfg):
