@@ -351,8 +351,7 @@ def known_compile_options(options: dict[str, Any]) -> dict[str, Any]:
     known = {k: v for k, v in options.items() if _compiles_with(((k, v),))}
     lacking = sorted(set(options) - set(known))
     warnings.warn(
-        f"this jaxlib's XLA lacks the compile options {', '.join(lacking)}; "
-        "compiling without them",
+        f"this jaxlib's XLA lacks the compile options {', '.join(lacking)}; compiling without them",
         stacklevel=2,
     )
     return known

@@ -1,7 +1,8 @@
 """Compile every case of `tests/gpu_cases.py` for 2 x 4 H200 GPUs and write
 its schedule record to `overlap.json` beside this script, with the jax
 version that compiled them, after printing how it differs from the file's
-(nothing runs; about an hour on 2 CPU cores).
+(nothing runs, but each case compiles twice for the link model: long on
+a CPU).
 
 Needs the gpu-aot extra and $ZPP_GPU_TARGET_CONFIG, as the gpu_aot tests
 do. Run from the repository root:
