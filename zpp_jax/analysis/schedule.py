@@ -295,7 +295,7 @@ class _Walk:
     def __init__(self, instructions, latency_us, link_of, queue, per_us, bandwidth) -> None:
         self.instructions, self.latency_us, self.link_of = instructions, latency_us, link_of
         self.queue, self.per_us, self.bandwidth = queue, per_us, bandwidth
-        self.pallas = self.pallas_calls = 0.0
+        self.pallas, self.pallas_calls = 0.0, 0  # the Pallas kernels' cycles and calls
         self.now = self.compute = 0.0
         self.free: dict[str, float] = {}  # per queue: when its last transfer ends
         self.ends: dict[int, float] = {}  # per started collective: when its transfer ends
@@ -351,7 +351,7 @@ class _Walk:
             self.busy,
             self.queue,
             self.pallas / us,
-            int(self.pallas_calls),
+            self.pallas_calls,
             self.bandwidth is not None,
         )
 
