@@ -2,6 +2,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import numpy as np
@@ -189,6 +191,31 @@ def test_errors(tmp_path, trained):
     injected = _trainer((2, 4), optimizer=optax.inject_hyperparams(optax.adamw)(1e-2))
     with pytest.raises(ValueError, match=r"has no .*'hyperparams'.*another model or optimizer"):
         Checkpointer(tmp_path).restore(injected.abstract_state())
+
+
+def test_a_failed_save_is_deleted_even_when_a_writer_adds_to_it_late(tmp_path):
+    """What a failed save left is gone, although a writer thread of that
+    save (orbax's metadata writer) puts a file back into it after the first
+    deletion, as it did on a full disk."""
+    partial = tmp_path / "4.orbax-checkpoint-tmp-1"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "d").write_bytes(b"x" * 1000)
+    ck = Checkpointer(tmp_path)
+    put_back = threading.Event()
+
+    def late_writer():
+        while partial.exists():
+            time.sleep(0.001)
+        partial.mkdir()
+        (partial / "_CHECKPOINT_METADATA").write_text("{}")
+        put_back.set()
+
+    writer = threading.Thread(target=late_writer)
+    writer.start()
+    ck._discard_unfinished(4)
+    writer.join()
+    assert put_back.is_set()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_restores_across_configurations(tmp_path, trained):

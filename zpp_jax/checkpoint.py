@@ -25,6 +25,7 @@ import pathlib
 import re
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -120,6 +121,12 @@ def _cause(e: BaseException) -> str:
     return first[:300]
 
 
+# How long a failed save's temporary directory must stay deleted before
+# orbax's stray writer threads are taken to be done, and the most time spent
+# deleting it (`Checkpointer._discard_unfinished`).
+_SETTLE_S = 0.25
+_DISCARD_LIMIT_S = 10.0
+
 # What a step directory `Checkpointer.save` wrote holds (one of them is
 # left even when it is damaged).
 _CHECKPOINT_ENTRIES = ("state", "meta", "_CHECKPOINT_METADATA", "commit_success.txt")
@@ -214,10 +221,24 @@ class Checkpointer:
     def _discard_unfinished(self, step: int) -> None:
         """Delete what a failed save of `step` left (orbax's temporary
         directory, never renamed into place), so that its space is free
-        again. Process 0 deletes; every process goes on at once."""
-        if jax.process_index() == 0:
-            for partial in self.directory.glob(f"{int(step)}.orbax-checkpoint-tmp*"):
+        again. Process 0 deletes; every process goes on at once.
+
+        A failed save leaves orbax's writer threads behind (its metadata
+        writer, a write already queued), which may add a file to the
+        directory while it is deleted, or just after. So it is deleted until
+        it has stayed absent for `_SETTLE_S`, for at most `_DISCARD_LIMIT_S`:
+        the cost is that pause, on the failure path only."""
+        if jax.process_index() != 0:
+            return
+        deadline = time.monotonic() + _DISCARD_LIMIT_S
+        while time.monotonic() < deadline:
+            partials = list(self.directory.glob(f"{int(step)}.orbax-checkpoint-tmp*"))
+            for partial in partials:
                 shutil.rmtree(partial, ignore_errors=True)
+            if not partials:
+                time.sleep(_SETTLE_S)
+                if not any(self.directory.glob(f"{int(step)}.orbax-checkpoint-tmp*")):
+                    return
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint, or None."""
