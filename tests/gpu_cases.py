@@ -45,6 +45,10 @@ def model(name):
 
 def trainer(name, config, mesh, unroll=True):
     abstract = nnx.eval_shape(lambda: model(name))
+    if config == "nocomm":  # the limit: one device's program, nothing exchanged
+        return zpp.baseline.NoCommunication(
+            abstract, optax.adamw(1e-3), mesh, compute_dtype="bfloat16"
+        )
     if config in ("jit", "jit_fsdp"):
         constrain = config == "jit_fsdp"  # activations constrained to the batch axes
         return zpp.baseline.JitFSDP(

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from zpp_jax import UsageError
 from zpp_jax.analysis import step_report
-from zpp_jax.baseline import JitFSDP, fsdp_sharding
+from zpp_jax.baseline import JitFSDP, NoCommunication, fsdp_sharding
 from zpp_jax.models import GPT, GPTConfig
 from zpp_jax.models.gpt import Embed
 from zpp_jax.train import next_token_loss
@@ -142,3 +142,50 @@ def test_constrained_activations_make_xla_gather_the_weights(mesh24):
     assert moved  # the unconstrained plan reshards activations
     # The model passed in is unchanged: its classes are its own.
     assert type(model) is GPT and type(model.embed) is Embed
+
+
+def test_no_communication_trains_each_replica_as_one_device_does(mesh24):
+    """Each device's replica after two steps is the model trained on that
+    device's rows alone, on one device; the step's only collective is the
+    gathered losses (4 bytes a device), and each device keeps the whole
+    model's state. (SGD: Adam's normalization would magnify the last bits
+    in which the unrolled layer loop's sums differ, for near-zero gradients.)"""
+    tx = optax.sgd(0.5, momentum=0.9)
+    program = NoCommunication(GPT(CFG, nnx.Rngs(0)), tx, mesh24)
+    state = program.init()
+    graphdef, params, rest = nnx.split(GPT(CFG, nnx.Rngs(0)), nnx.Param, ...)
+
+    @jax.jit
+    def one_device(params, opt_state, batch):
+        def loss(p):
+            return next_token_loss(nnx.merge(graphdef, p, rest), batch)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    rows = [(params, tx.init(params)) for _ in range(8)]
+    for step in range(2):
+        batch = _batch(step)
+        state, metrics = program.train_step(state, jax.device_put(batch, program.batch_sharding()))
+        losses = []
+        for i in range(8):
+            mine = jax.tree.map(lambda x, i=i: x[i : i + 1], batch)
+            p, o, value = one_device(*rows[i], mine)
+            rows[i] = (p, o)
+            losses.append(float(value))
+        np.testing.assert_allclose(float(metrics["loss"]), np.mean(losses), rtol=1e-6)
+    assert NoCommunication.steps_done(state) == 2
+    for i in (0, 5):
+        got = jax.tree.map(lambda x, i=i: np.asarray(x)[i], jax.tree.leaves(state[0]))
+        for a, b in zip(got, jax.tree.leaves(rows[i][0]), strict=True):
+            np.testing.assert_allclose(a, np.asarray(b), rtol=1e-5, atol=1e-6)
+    # The replicas differ: their rows did.
+    first = jax.tree.leaves(state[0])[0]
+    assert not np.allclose(np.asarray(first)[0], np.asarray(first)[5])
+
+    tokens = jax.ShapeDtypeStruct((8, CFG.seq_len), jnp.int32)
+    report = step_report(program, {"inputs": tokens, "targets": tokens})
+    assert [(c["kind"], c["bytes"]) for c in report["collectives"]] == [("all-gather", 8 * 4)]
+    n = sum(x.size for x in jax.tree.leaves(params))
+    assert 2 * 4 * n <= report["state_bytes"] <= 2 * 4 * n + 64  # parameters and momentum

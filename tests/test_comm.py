@@ -11,7 +11,7 @@ from flax import nnx
 from zpp_jax import Trainer, quant
 from zpp_jax.analysis import step_report
 from zpp_jax.cli import main
-from zpp_jax.cli.comm import DEFAULT_CONFIGS
+from zpp_jax.cli.comm import DEFAULT_CONFIGS, device_training_flops
 from zpp_jax.mesh import shard_dim
 from zpp_jax.models import GPT, GPTConfig
 from zpp_jax.partition import call_layout
@@ -103,14 +103,20 @@ def test_zeropp_matches_the_analytic_count(mesh):
 
 @pytest.mark.slow  # compiles five configurations' steps
 def test_cli_json(capsys):
-    assert main(["comm", "--json", "--configs", "zero3", "zeropp", "jit", "--seq", "16"]) == 0
+    configs = ["zero3", "zeropp", "jit", "nocomm"]
+    assert main(["comm", "--json", "--configs", *configs, "--seq", "16"]) == 0
     out = json.loads(capsys.readouterr().out)
-    names = [c["name"] for c in out["configs"]]
-    assert names == ["zero3", "zeropp", "jit"]
-    z3, zpp, jit = out["configs"]
+    assert [c["name"] for c in out["configs"]] == configs
+    z3, zpp, jit, limit = out["configs"]
     assert zpp["cross_node_bytes"] * 4 <= z3["cross_node_bytes"]
     assert jit["config"] == {"baseline": "jit"} and z3["config"]["quantize_weights"] is False
+    # The limit moves the gathered losses alone and keeps the whole state.
+    assert limit["cross_node_bytes"] == 4 * 7 and limit["state_bytes"] > 6 * z3["state_bytes"]
+    # One device's model FLOPs, 2 rows of 16 tokens; no MFU without a GPU's peak.
+    cfg = GPTConfig.preset("tiny", seq_len=16)
+    flops = device_training_flops(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))), 2, 16)
     for c in out["configs"]:
+        assert c["model_flops"] == flops and c["mfu"] is None
         assert c["peak_memory_bytes"] > 0 and c["collectives"]
         assert {"kind", "dtypes", "bytes", "replica_groups", "runs", "spans_nodes"} <= set(
             c["collectives"][0]

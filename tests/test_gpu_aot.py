@@ -371,3 +371,29 @@ def test_the_estimate_is_xlas_statistics_of_the_schedule_it_made():
     assert unqueued[1] == pytest.approx(wasted, abs=100)
     # XLA's statistics let every collective run at once: one stream cannot.
     assert stream[0] >= max(unqueued[0], stream[2]) and stream[1] >= unqueued[1]
+
+
+def test_the_no_communication_limit_is_one_devices_program_with_an_mfu():
+    """`NoCommunication` compiled for the H200s: its one collective is the
+    gathered losses (4 bytes a device), its layer loop is unrolled (so
+    XLA's estimate counts every layer) and its step is its kernels alone,
+    below ZeRO-3's. MFU is one device's model FLOPs over the step at the
+    H200's dense bfloat16 peak (989 TFLOP/s, from the target description)."""
+    from zpp_jax.analysis.report import mfu
+    from zpp_jax.cli.comm import device_training_flops
+
+    limit = cases.report("gpt-125m", "nocomm")
+    assert [(c["kind"], c["bytes"]) for c in limit["collectives"]] == [("all-gather", 8 * 4)]
+    est = limit["estimate"]
+    assert est is not None and sum(est["exposed_us"].values()) <= 1e-3 * est["step_us"]
+    assert est["step_us"] < cases.report("gpt-125m", "zero3")["estimate"]["step_us"]
+    assert est["peak_matrix_flops"] == pytest.approx(989.17e12, rel=1e-4)
+    cfg, rows = SIZES["gpt-125m"]
+    flops = device_training_flops(nnx.eval_shape(lambda: cases.model("gpt-125m")), 1, cfg.seq_len)
+    d, t = cfg.d_model, cfg.seq_len
+    per_token = (
+        cfg.n_layers * (2 * (4 * d * d + 2 * d * cfg.d_ff) + 4 * t * d) + 2 * d * cfg.vocab_size
+    )
+    assert flops == 3 * t * per_token  # 0.96 TFLOP
+    assert mfu(est, flops) == pytest.approx(flops / (est["step_us"] * 1e-6 * 989.17e12), rel=1e-4)
+    assert 0 < mfu(est, flops) < 1

@@ -12,7 +12,7 @@ from test_shard import lm_gradient_step, relay_as_on_a_gpu
 import zpp_jax as zpp
 from zpp_jax import _compat
 from zpp_jax.models import GPT, GPTConfig
-from zpp_jax.overlap.loops import relay_loops
+from zpp_jax.overlap.loops import relay_loops, unroll_every_loop
 from zpp_jax.overlap.relay import is_relay_end, is_relay_start, relay_end, relay_start
 
 
@@ -162,3 +162,29 @@ def test_the_unrolled_gpt_step_equals_its_loop(mesh24, relaying):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+
+
+def test_every_loop_unrolled_computes_the_same_without_a_loop():
+    """`unroll_every_loop`: a scan nested in a scan and one inside a remat
+    region lower with no while loop, and give the loops' values bitwise."""
+
+    def f(ws, x):
+        def inner(h, w):
+            return jnp.tanh(h @ w), None
+
+        def outer(h, _):
+            return jax.lax.scan(inner, h, ws)[0], jnp.sum(h)
+
+        h, sums = jax.lax.scan(outer, x, None, length=3)
+        rematted = jax.checkpoint(lambda h: jax.lax.scan(inner, h, ws)[0])
+        return {"h": rematted(h), "sums": sums}
+
+    ws = jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.3
+    x = jax.random.normal(jax.random.key(1), (2, 8))
+    unrolled = unroll_every_loop(f)
+    assert "while" in jax.jit(f).lower(ws, x).as_text()
+    assert "while" not in jax.jit(unrolled).lower(ws, x).as_text()
+    want, got = jax.jit(f)(ws, x), jax.jit(unrolled)(ws, x)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -119,7 +119,7 @@ def identity_primitive(name: str) -> Primitive:
 
 # Primitives whose parameters hold jaxprs that run as they are: calls, and
 # the bodies of loops and remat regions.
-_CALLS = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "scan")
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2", "scan")
 
 
 @checked_on("0.11.2", "0.12.0.1", "0.12.1")
@@ -146,6 +146,13 @@ def _mapped(value: Any, fn: Callable[[Jaxpr], Jaxpr]) -> Any:
 @checked_on("0.11.2", "0.12.0.1", "0.12.1")
 def is_scan(eqn: JaxprEqn) -> bool:
     return eqn.primitive.name == "scan"
+
+
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
+def fully_unrolled_scan(eqn: JaxprEqn) -> JaxprEqn:
+    """A `scan` equation that lowers with every iteration in line and no
+    loop (``unroll=0``, as ``jax.lax.scan(..., unroll=0)`` binds it)."""
+    return eqn.replace(params={**eqn.params, "unroll": 0})
 
 
 @checked_on("0.11.2", "0.12.0.1", "0.12.1")

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, batch_sharding, mesh_shape
 from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links, overlap_options
+from zpp_jax.overlap.loops import unroll_every_loop
 from zpp_jax.program import compile_for_batch
 from zpp_jax.train import LossFn, next_token_loss
 
@@ -212,7 +213,7 @@ class JitFSDP:
 
     def _loss(self, params, rest, batch: dict) -> jax.Array:
         if self.compute_dtype is not None:
-            params = jax.tree.map(self._cast, params)
+            params = jax.tree.map(functools.partial(_cast, dtype=self.compute_dtype), params)
         return self._loss_fn(nnx.merge(self._graphdef, params, rest), batch)
 
     def _train_step(self, state: tuple, batch: dict) -> tuple[tuple, dict[str, Any]]:
@@ -226,5 +227,173 @@ class JitFSDP:
         params, _, rest, _ = state
         return self._loss(params, rest, batch)
 
-    def _cast(self, x: jax.Array) -> jax.Array:
-        return x.astype(self.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+def _stacked(tree, n: int, sharding: NamedSharding):
+    """Shape/dtype structs of `tree`'s arrays with a leading axis of `n`,
+    laid out by `sharding`."""
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((n, *jnp.shape(a)), a.dtype, sharding=sharding), tree
+    )
+
+
+class NoCommunication:
+    """The limit a sharded step is measured against: ``model`` trained by
+    ``optimizer`` with nothing exchanged. Every device trains a replica of
+    its own on its own rows of the batch, so that each runs one device's
+    program: the forward and backward pass over its rows, and the
+    optimizer's update of the whole model.
+
+    A `zpp_jax.program.TrainingProgram`. The state is ``(params, opt_state,
+    rest, step)`` as `JitFSDP`'s, but each parameter and optimizer-state
+    array has a leading axis of one replica per device, split over the
+    devices (the model's other variables and the step are replicated).
+    ``train_step`` returns the mean of the replicas' losses, gathered:
+    the step's one collective, 4 bytes from each device (XLA:GPU's
+    scheduler, whose cost model gives the estimate, schedules only a
+    program with an asynchronous collective). `compute_dtype` and an
+    abstract `model` as for `JitFSDP`. The model's layer loops are unrolled
+    (`zpp_jax.overlap.loops.unroll_every_loop`), as the engine unrolls
+    its sharded ones, so that XLA's estimate counts every layer. Replicas
+    stay equal only when their rows are; `zpp comm` compiles it to measure
+    the sharded steps against, nothing more.
+
+    Costs the whole model's parameters and optimizer state on every
+    device, and one whole-model update per device and step.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        optimizer: optax.GradientTransformation,
+        mesh: Mesh,
+        *,
+        loss_fn: LossFn = next_token_loss,
+        compute_dtype=None,
+        links: LinkModel | None = DEFAULT_LINKS,
+    ) -> None:
+        mesh_shape(mesh)
+        check_links(links)
+        if compute_dtype is not None and not jnp.issubdtype(compute_dtype, jnp.floating):
+            raise UsageError(f"compute_dtype must be a floating dtype, got {compute_dtype!r}")
+        self.mesh, self.links, self.compute_dtype = mesh, links, compute_dtype
+        self._graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+        self._optimizer, self._loss_fn = optimizer, loss_fn
+        per_device = NamedSharding(mesh, P(AXES))
+        replicated = NamedSharding(mesh, P())
+        opt_state = jax.eval_shape(optimizer.init, params)
+        self._abstract_state = (
+            _stacked(params, mesh.size, per_device),
+            _stacked(opt_state, mesh.size, per_device),
+            jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype, sharding=replicated), rest
+            ),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+        )
+        if not self.abstract:
+            self._values = (params, rest)
+        self.compiler_options = overlap_options(mesh)
+        shardings = jax.tree.map(lambda a: a.sharding, self._abstract_state)
+        self.train_step = jax.jit(
+            self._train_step,
+            in_shardings=(shardings, batch_sharding(mesh)),
+            out_shardings=(shardings, replicated),
+            donate_argnums=0,
+            compiler_options=self.compiler_options or None,
+        )
+        self.eval_step = jax.jit(self._eval_step, compiler_options=self.compiler_options or None)
+
+    def init(self) -> tuple:
+        """The state at step 0: every replica the model as built (a
+        concrete model only)."""
+        if self.abstract:
+            raise UsageError(
+                "this NoCommunication was built on an abstract model (nnx.eval_shape): "
+                "compile its step with compile_step(batch), or build the model itself"
+            )
+        params, rest = self._values
+        params_sh, opt_sh, rest_sh, step_sh = jax.tree.map(
+            lambda a: a.sharding, self._abstract_state
+        )
+        n = self.mesh.size
+        stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), params)
+        params = jax.device_put(stacked, params_sh)
+        opt_state = jax.jit(jax.vmap(self._optimizer.init), out_shardings=opt_sh)(params)
+        step = jax.device_put(jnp.zeros((), jnp.int32), step_sh)
+        return params, opt_state, jax.device_put(rest, rest_sh), step
+
+    def abstract_state(self) -> tuple:
+        """Shapes, dtypes and shardings of the state."""
+        return self._abstract_state
+
+    def batch_sharding(self) -> NamedSharding:
+        """Sharding for batch arrays: each device's rows its own."""
+        return batch_sharding(self.mesh)
+
+    def check_batch_size(self, b: int) -> None:
+        """Raise UsageError unless a global batch of `b` splits over the devices."""
+        if b % self.mesh.size:
+            raise UsageError(f"global batch {b} must be a multiple of the {self.mesh.size} devices")
+
+    @staticmethod
+    def steps_done(state: tuple) -> int:
+        """Optimizer updates applied so far."""
+        return int(state[3])
+
+    def compile_step(self, batch: dict, compiler_options: dict | None = None):
+        """`train_step` compiled (not run) for a batch of `batch`'s shapes and
+        dtypes (as `JitFSDP.compile_step`)."""
+        return compile_for_batch(self, batch, compiler_options)
+
+    def _loss(self, params, rest, batch: dict) -> jax.Array:
+        if self.compute_dtype is not None:
+            params = jax.tree.map(functools.partial(_cast, dtype=self.compute_dtype), params)
+        return self._loss_fn(nnx.merge(self._graphdef, params, rest), batch)
+
+    def _train_step(self, state: tuple, batch: dict) -> tuple[tuple, dict[str, Any]]:
+        params, opt_state, rest, step = state
+
+        def replica(params, opt_state, rest, batch):
+            params, opt_state = jax.tree.map(lambda x: x[0], (params, opt_state))
+            params, opt_state, value = unroll_every_loop(self._update)(
+                params, opt_state, rest, batch
+            )
+            mean = jnp.mean(jax.lax.all_gather(value, AXES))
+            return jax.tree.map(lambda x: x[None], (params, opt_state)), mean
+
+        # An all-gather, not a psum: XLA:GPU schedules (and so estimates) a
+        # program with an asynchronous all-gather, not one with an all-reduce
+        # alone. The mean of the gathered losses is the same on every device,
+        # which the varying-axes check cannot see through an all-gather.
+        each, whole = P(AXES), P()
+        (params, opt_state), loss = jax.shard_map(
+            replica,
+            mesh=self.mesh,
+            in_specs=(each, each, whole, each),
+            out_specs=(each, whole),
+            check_vma=False,
+        )(params, opt_state, rest, batch)
+        return (params, opt_state, rest, step + 1), {"loss": loss}
+
+    def _update(self, params, opt_state, rest, batch: dict) -> tuple:
+        """One device's step: (params, opt_state, loss)."""
+        value, grads = jax.value_and_grad(self._loss)(params, rest, batch)
+        updates, opt_state = self._optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    def _eval_step(self, state: tuple, batch: dict) -> jax.Array:
+        """The mean of the replicas' losses on their rows."""
+        params, _, rest, _ = state
+
+        def replica(params, rest, batch):
+            value = self._loss(jax.tree.map(lambda x: x[0], params), rest, batch)
+            return jnp.mean(jax.lax.all_gather(value, AXES))
+
+        each, whole = P(AXES), P()
+        return jax.shard_map(
+            replica, mesh=self.mesh, in_specs=(each, whole, each), out_specs=whole, check_vma=False
+        )(params, rest, batch)
+
+
+def _cast(x: jax.Array, dtype) -> jax.Array:
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x

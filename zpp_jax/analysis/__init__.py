@@ -8,12 +8,15 @@
 * `report`: `step_report`, all of it for a training program's step.
 * `links`: a step compiled with each collective priced on the links it
   crosses (`compile_with_links`).
+* `flops`: a model's FLOPs (its matrix multiplies, from its jaxpr) and a
+  GPU's matrix peak, for MFU (`training_flops`, `peak_matrix_flops`).
 * `target`: a mesh of GPUs that exist only as a compile target
   (`target_mesh`).
 
 Nothing in the engine imports this package.
 """
 
+from zpp_jax.analysis.flops import matmul_flops, peak_matrix_flops, training_flops
 from zpp_jax.analysis.hlo import Collective, CommSummary, collectives_in_hlo, summarize
 from zpp_jax.analysis.links import compile_with_links
 from zpp_jax.analysis.report import state_bytes_per_device, step_report
@@ -35,12 +38,15 @@ __all__ = [
     "collectives_in_hlo",
     "compile_with_links",
     "has_cuda_plugin",
+    "matmul_flops",
     "overlap_by_kind",
+    "peak_matrix_flops",
     "schedule_estimate",
     "schedule_overlap",
     "state_bytes_per_device",
     "step_report",
     "summarize",
     "target_mesh",
+    "training_flops",
     "unhideable_by_kind",
 ]

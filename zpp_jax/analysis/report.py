@@ -166,6 +166,16 @@ def links_and_compute(estimate: dict) -> str:
     return line
 
 
+def mfu(estimate: dict | None, model_flops: float) -> float | None:
+    """Model FLOPs utilization of an estimated step (`ScheduleEstimate` as a
+    dict): `model_flops` (one device's, per step:
+    `zpp_jax.analysis.flops.training_flops`) over the step's time x the
+    GPU's matrix peak. None without an estimate or a known peak."""
+    if not estimate or not estimate.get("peak_matrix_flops"):
+        return None
+    return model_flops / (estimate["step_us"] * 1e-6 * estimate["peak_matrix_flops"])
+
+
 def exposed_by_unit(collectives: list[dict]) -> dict[str, dict[str, int]]:
     """Runs per step behind no matrix multiply, per unit (its path; "" for
     what no unit owns) and per "kind region" (``all-gather gather``,

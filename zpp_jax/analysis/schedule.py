@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from zpp_jax.analysis.flops import dumped_peak_matrix_flops
 from zpp_jax.analysis.hlo import (
     INSTRUCTION,
     KINDS,
@@ -215,7 +216,9 @@ class ScheduleEstimate:
     below it); `queue`: how transfers waited for each other (`QUEUES`).
     `pallas_us`: the part of `compute_us` in the `pallas_calls` Pallas
     kernels, priced from the bytes they move at the GPU's memory bandwidth
-    when `pallas_from_bytes`, else at XLA's flat cost.
+    when `pallas_from_bytes`, else at XLA's flat cost. `peak_matrix_flops`:
+    the GPU's dense bfloat16 matrix peak, FLOP/s, from the target
+    description XLA compiled for (for MFU; None when unknown).
 
     The kernels' times are the scheduler's (derived from the target's
     description), but for the Pallas calls (above), and each collective's
@@ -239,6 +242,7 @@ class ScheduleEstimate:
     pallas_us: float = 0.0
     pallas_calls: int = 0
     pallas_from_bytes: bool = False
+    peak_matrix_flops: float | None = None
 
     @property
     def exposed_total_us(self) -> float:
@@ -455,10 +459,14 @@ def read_estimate(
     """The estimate of the step dumped in `dump` (`schedule_estimate`): of
     the longest module, if XLA compiled more than the step into it; its
     Pallas kernels priced at the memory bandwidth of the GPU XLA compiled
-    for (`memory_bandwidth`)."""
+    for (`memory_bandwidth`), with that GPU's matrix peak
+    (`zpp_jax.analysis.flops.dumped_peak_matrix_flops`)."""
     bandwidth = memory_bandwidth(dump)
     files = sorted(dump.glob("*.schedule.txt"))
     estimates = [
         schedule_estimate(f.read_text(), latency_us, link_of, queue, bandwidth) for f in files
     ]
-    return max((e for e in estimates if e is not None), key=lambda e: e.step_us, default=None)
+    longest = max((e for e in estimates if e is not None), key=lambda e: e.step_us, default=None)
+    if longest is None:
+        return None
+    return dataclasses.replace(longest, peak_matrix_flops=dumped_peak_matrix_flops(dump))

@@ -289,7 +289,8 @@ def _comm_parser(sub) -> None:
         help="engine configurations (zero3, qwz, hpz, qgz, zeropp, zeropp_ef) and "
         "baselines (jit: plain jax.jit with FSDP-style parameter shardings, XLA "
         "partitioning the rest; jit_fsdp: the same with activations constrained to "
-        "the batch axes, as MaxText writes FSDP)",
+        "the batch axes, as MaxText writes FSDP; nocomm: the limit, one device's program "
+        "with nothing exchanged, each device training a replica of its own)",
     )
     comm.add_argument(
         "--persistence-threshold",

@@ -13,7 +13,11 @@ Besides the engine's configurations, two baselines a user would otherwise
 write: "jit", plain `jax.jit` with FSDP-style parameter shardings and XLA
 choosing the rest (`JitFSDP`), and "jit_fsdp", the same with every layer's
 activations constrained to the batch axes (`JitFSDP(constrain_activations=
-True)`, FSDP as MaxText writes it).
+True)`, FSDP as MaxText writes it). And the limit both are measured
+against: "nocomm", one device's program with nothing exchanged
+(`NoCommunication`). On a GPU target each estimated step also shows its
+MFU (model FLOPs, `device_training_flops`, over the step x the GPU's
+matrix peak) and its ratio to the no-communication step.
 """
 
 from __future__ import annotations
@@ -29,14 +33,15 @@ import optax
 from flax import nnx
 
 from zpp_jax.analysis import step_report, target_mesh
-from zpp_jax.analysis.report import exposed_by_unit, exposed_time_by_unit, links_and_compute
-from zpp_jax.baseline import JitFSDP
+from zpp_jax.analysis.flops import training_flops
+from zpp_jax.analysis.report import exposed_by_unit, exposed_time_by_unit, links_and_compute, mfu
+from zpp_jax.baseline import JitFSDP, NoCommunication
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.lora import FROZEN, add_lora
 from zpp_jax.mesh import make_mesh
 from zpp_jax.models import preset
-from zpp_jax.train import Trainer
+from zpp_jax.train import Trainer, next_token_loss
 
 DEFAULT_CONFIGS = {
     "zero3": ZeroPPConfig.zero3(),
@@ -47,9 +52,11 @@ DEFAULT_CONFIGS = {
     "zeropp_ef": ZeroPPConfig(comm_dtype="bfloat16", error_feedback=True),
 }
 # Methods that are not the engine's, compared with it: name -> builder.
+# "nocomm" is the limit: one device's program, nothing exchanged.
 BASELINES = {
     "jit": JitFSDP,
     "jit_fsdp": functools.partial(JitFSDP, constrain_activations=True),
+    "nocomm": NoCommunication,
 }
 
 
@@ -73,6 +80,7 @@ def compare(
     nothing, as `zpp.shard` takes it."""
     configs = DEFAULT_CONFIGS if configs is None else configs
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    flops = device_training_flops(make_model(), batch // mesh.size, seq_len)
     reports = []
     for name, cfg in configs.items():
         if isinstance(cfg, ZeroPPConfig):
@@ -83,8 +91,29 @@ def compare(
             step = cfg(make_model(), optax.adamw(1e-3), mesh, compute_dtype=compute_dtype)
             described = {"baseline": name}
         report = step_report(step, {"inputs": tokens, "targets": tokens})
-        reports.append({"name": name, "config": described, **report})
+        reports.append(
+            {
+                "name": name,
+                "config": described,
+                **report,
+                "model_flops": flops,
+                "mfu": mfu(report["estimate"], flops),
+            }
+        )
     return reports
+
+
+def device_training_flops(model: nnx.Module, rows: int, seq_len: int) -> int:
+    """Model FLOPs of one device's share of a training step: `rows` token
+    sequences of `seq_len` (`zpp_jax.analysis.flops.training_flops` of the
+    next-token loss). `model` may be abstract."""
+    graphdef, state = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32)
+
+    def loss(state, batch):
+        return next_token_loss(nnx.merge(graphdef, state), batch)
+
+    return training_flops(loss, state, {"inputs": tokens, "targets": tokens})
 
 
 def run_comm(args) -> int:
@@ -180,6 +209,7 @@ def _print_schedule(reports: list[dict]) -> None:
         "that no compute covers, the kernels alone, and each link's busy time (a floor "
         "under the step):"
     )
+    limit = next((r["estimate"] for r in reports if r["name"] == "nocomm"), None)
     for r in reports:
         est = r["estimate"]
         if est is None:
@@ -193,6 +223,8 @@ def _print_schedule(reports: list[dict]) -> None:
             + (f": {kinds}" if kinds else "")
         )
         print(f"  {'':10s}{links_and_compute(est)}")
+        if r["mfu"] is not None or limit:
+            print(f"  {'':10s}{_against_the_limit(r, limit)}")
     print(
         "runs per step that no schedule of the program can put behind a GEMM (every "
         "GEMM of the program, or of their loop iteration, feeds them or needs them):"
@@ -218,6 +250,20 @@ def _print_schedule(reports: list[dict]) -> None:
         print(f"\n{r['name']}: each collective, runs per step, and what it runs behind")
         for c in r["collectives"]:
             print("  " + _collective_line(c))
+
+
+def _against_the_limit(report: dict, limit: dict | None) -> str:
+    """MFU of a report's estimated step, and the step over the
+    no-communication step's (`limit`: the "nocomm" estimate, or None)."""
+    parts = []
+    if report["mfu"] is not None:
+        tflops = report["model_flops"] / 1e12
+        parts.append(f"MFU {report['mfu']:.1%} ({tflops:.2f} model TFLOPs per GPU per step)")
+    if limit:
+        parts.append(
+            f"{report['estimate']['step_us'] / limit['step_us']:.3f}x the no-communication step"
+        )
+    return "; ".join(parts)
 
 
 def _collective_line(c: dict) -> str:

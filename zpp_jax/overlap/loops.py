@@ -143,3 +143,31 @@ def _relayed_scan(
     last = _compat.new_var(token_out)
     loop = _compat.unrolled_scan_with_carry(eqn, new_body, first, last)
     return [*fresh, loop], last, ends[-1]
+
+
+def unroll_every_loop(f: Callable) -> Callable:
+    """`f` (a function of arrays and pytrees of them) with every ``scan`` in
+    it lowered fully unrolled, nested ones and those inside calls and
+    `jax.checkpoint` regions included: a program without loops, whose
+    every iteration a schedule, and the estimate read from it, sees.
+
+    Guarantees the same values as `f` (the same operations in the same
+    order). Costs one more trace per trace of the wrapper; the program,
+    and its compile time, grow with the iterations."""
+
+    @functools.wraps(f)
+    def wrapper(*args):
+        closed, shapes = jax.make_jaxpr(f, return_shape=True)(*args)
+        jaxpr = _unrolled(closed.jaxpr)
+        flat = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, closed.consts))(*jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(shapes), flat)
+
+    return wrapper
+
+
+def _unrolled(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
+    eqns = []
+    for eqn in jaxpr.eqns:
+        eqn = _compat.map_inner_jaxprs(eqn, _unrolled)
+        eqns.append(_compat.fully_unrolled_scan(eqn) if _compat.is_scan(eqn) else eqn)
+    return jaxpr.replace(eqns=eqns)
