@@ -21,6 +21,22 @@ def _batch(seed=0, b=8):
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
+def _one_device_step(graphdef, rest, tx):
+    """The unsharded training step: (params, opt_state, batch) -> (params,
+    opt_state, loss), on one device."""
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        def loss(p):
+            return next_token_loss(nnx.merge(graphdef, p, rest), batch)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step
+
+
 def test_fsdp_sharding_splits_the_largest_dimension_the_devices_divide(mesh24):
     assert fsdp_sharding(mesh24, (64, 256)).spec == P(None, ("node", "local"))
     assert fsdp_sharding(mesh24, (256, 64)).spec == P(("node", "local"), None)
@@ -48,18 +64,9 @@ def test_a_step_equals_the_unsharded_step(mesh24, constrain):
     assert wte.get_value().sharding.spec == P(("node", "local"), None)
 
     # The reference: the same model, one device, no shardings.
-    model = GPT(CFG, nnx.Rngs(0))
-    graphdef, ref_params, ref_rest = nnx.split(model, nnx.Param, ...)
+    graphdef, ref_params, ref_rest = nnx.split(GPT(CFG, nnx.Rngs(0)), nnx.Param, ...)
     ref_opt = tx.init(ref_params)
-
-    @jax.jit
-    def reference(params, opt_state, batch):
-        def loss(p):
-            return next_token_loss(nnx.merge(graphdef, p, ref_rest), batch)
-
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
+    reference = _one_device_step(graphdef, ref_rest, tx)
 
     for i in range(2):
         batch = jax.device_put(_batch(i), baseline.batch_sharding())
@@ -154,15 +161,7 @@ def test_no_communication_trains_each_replica_as_one_device_does(mesh24):
     program = NoCommunication(GPT(CFG, nnx.Rngs(0)), tx, mesh24)
     state = program.init()
     graphdef, params, rest = nnx.split(GPT(CFG, nnx.Rngs(0)), nnx.Param, ...)
-
-    @jax.jit
-    def one_device(params, opt_state, batch):
-        def loss(p):
-            return next_token_loss(nnx.merge(graphdef, p, rest), batch)
-
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
+    one_device = _one_device_step(graphdef, rest, tx)
 
     rows = [(params, tx.init(params)) for _ in range(8)]
     for step in range(2):

@@ -89,7 +89,47 @@ def _constrain_modules(model: nnx.Module, mesh: Mesh) -> None:
         module.__class__ = _batch_constrained_class(type(module), mesh)
 
 
-class JitFSDP:
+class _PlainProgram:
+    """What the baselines' programs share: the state ``(params, opt_state,
+    rest, step)``, batches split over every device, a loss of the model
+    merged from its parameters (cast to `compute_dtype`, if any), and a
+    step compiled for a batch's shapes. A subclass sets ``mesh``,
+    ``links``, ``compute_dtype``, ``_graphdef``, ``_loss_fn`` and
+    ``_abstract_state``."""
+
+    def batch_sharding(self) -> NamedSharding:
+        """Sharding for batch arrays: the leading (batch) axis over every
+        device."""
+        return batch_sharding(self.mesh)
+
+    def check_batch_size(self, b: int) -> None:
+        """Raise UsageError unless a global batch of `b` splits over the devices."""
+        if b % self.mesh.size:
+            raise UsageError(f"global batch {b} must be a multiple of the {self.mesh.size} devices")
+
+    @staticmethod
+    def steps_done(state: tuple) -> int:
+        """Optimizer updates applied so far."""
+        return int(state[3])
+
+    def abstract_state(self) -> tuple:
+        """Shapes, dtypes and shardings of the state."""
+        return self._abstract_state
+
+    def compile_step(self, batch: dict, compiler_options: dict | None = None):
+        """`train_step` compiled (not run) for a batch of `batch`'s shapes and
+        dtypes; `compiler_options` replace `compiler_options` for this
+        compile, and on a GPU mesh the collectives are costed on `links`
+        (as `zpp.Trainer.compile_step`)."""
+        return compile_for_batch(self, batch, compiler_options)
+
+    def _loss(self, params, rest, batch: dict) -> jax.Array:
+        if self.compute_dtype is not None:
+            params = jax.tree.map(functools.partial(_cast, dtype=self.compute_dtype), params)
+        return self._loss_fn(nnx.merge(self._graphdef, params, rest), batch)
+
+
+class JitFSDP(_PlainProgram):
     """``model`` trained by ``optimizer`` under plain `jax.jit`, its state
     sharded by `fsdp_sharding`.
 
@@ -186,36 +226,6 @@ class JitFSDP:
         step = jax.device_put(jnp.zeros((), jnp.int32), step_sh)
         return params, opt_state, jax.device_put(rest, rest_sh), step
 
-    def batch_sharding(self) -> NamedSharding:
-        """Sharding for batch arrays: the leading (batch) axis over every device."""
-        return batch_sharding(self.mesh)
-
-    def check_batch_size(self, b: int) -> None:
-        """Raise UsageError unless a global batch of `b` splits over the devices."""
-        if b % self.mesh.size:
-            raise UsageError(f"global batch {b} must be a multiple of the {self.mesh.size} devices")
-
-    @staticmethod
-    def steps_done(state: tuple) -> int:
-        """Optimizer updates applied so far."""
-        return int(state[3])
-
-    def abstract_state(self) -> tuple:
-        """Shapes, dtypes and shardings of the state."""
-        return self._abstract_state
-
-    def compile_step(self, batch: dict, compiler_options: dict | None = None):
-        """`train_step` compiled (not run) for a batch of `batch`'s shapes and
-        dtypes; `compiler_options` replace `compiler_options` for this
-        compile, and on a GPU mesh the collectives are costed on `links`
-        (as `zpp.Trainer.compile_step`)."""
-        return compile_for_batch(self, batch, compiler_options)
-
-    def _loss(self, params, rest, batch: dict) -> jax.Array:
-        if self.compute_dtype is not None:
-            params = jax.tree.map(functools.partial(_cast, dtype=self.compute_dtype), params)
-        return self._loss_fn(nnx.merge(self._graphdef, params, rest), batch)
-
     def _train_step(self, state: tuple, batch: dict) -> tuple[tuple, dict[str, Any]]:
         params, opt_state, rest, step = state
         value, grads = jax.value_and_grad(self._loss)(params, rest, batch)
@@ -236,7 +246,7 @@ def _stacked(tree, n: int, sharding: NamedSharding):
     )
 
 
-class NoCommunication:
+class NoCommunication(_PlainProgram):
     """The limit a sharded step is measured against: ``model`` trained by
     ``optimizer`` with nothing exchanged. Every device trains a replica of
     its own on its own rows of the batch, so that each runs one device's
@@ -321,34 +331,6 @@ class NoCommunication:
         opt_state = jax.jit(jax.vmap(self._optimizer.init), out_shardings=opt_sh)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), step_sh)
         return params, opt_state, jax.device_put(rest, rest_sh), step
-
-    def abstract_state(self) -> tuple:
-        """Shapes, dtypes and shardings of the state."""
-        return self._abstract_state
-
-    def batch_sharding(self) -> NamedSharding:
-        """Sharding for batch arrays: each device's rows its own."""
-        return batch_sharding(self.mesh)
-
-    def check_batch_size(self, b: int) -> None:
-        """Raise UsageError unless a global batch of `b` splits over the devices."""
-        if b % self.mesh.size:
-            raise UsageError(f"global batch {b} must be a multiple of the {self.mesh.size} devices")
-
-    @staticmethod
-    def steps_done(state: tuple) -> int:
-        """Optimizer updates applied so far."""
-        return int(state[3])
-
-    def compile_step(self, batch: dict, compiler_options: dict | None = None):
-        """`train_step` compiled (not run) for a batch of `batch`'s shapes and
-        dtypes (as `JitFSDP.compile_step`)."""
-        return compile_for_batch(self, batch, compiler_options)
-
-    def _loss(self, params, rest, batch: dict) -> jax.Array:
-        if self.compute_dtype is not None:
-            params = jax.tree.map(functools.partial(_cast, dtype=self.compute_dtype), params)
-        return self._loss_fn(nnx.merge(self._graphdef, params, rest), batch)
 
     def _train_step(self, state: tuple, batch: dict) -> tuple[tuple, dict[str, Any]]:
         params, opt_state, rest, step = state
