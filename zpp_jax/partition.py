@@ -54,10 +54,10 @@ def _quantize_flat_blocks(
     for leaf, offset in zip(layout.treedef.flatten_up_to(tree), layout.offsets, strict=True):
         if offset > end:
             zero_blocks((offset - end) // block)
-        x = jnp.ravel(leaf).astype(jnp.float32)
-        if x.size == 0:
-            continue
+        x = jnp.ravel(leaf)  # the kernel reads it in fp32: no widened copy
         count = -(-x.size // block)
+        if count == 0:
+            continue
         x = jnp.pad(x, (0, count * block - x.size))
         q = quant.quantize(
             x.reshape(count, block), bits, block, rounding=rounding, scale_dtype=scale_dtype
@@ -401,9 +401,9 @@ class ParamLayout:
         return self.from_segments([rows[:, o : o + k] for o, k in self.segments], dtype)
 
     def device_rows(self, leaf: jax.Array, i: int) -> jax.Array:
-        """fp32 (N, block size): parameter i's block of every device, flattened."""
+        """(N, block size) in the leaf's dtype: its block of every device."""
         shape, dim, n = leaf.shape, self.dims[i], self.num_shards
-        x = leaf.astype(jnp.float32).reshape(shape[:dim] + (n, shape[dim] // n) + shape[dim + 1 :])
+        x = leaf.reshape(shape[:dim] + (n, shape[dim] // n) + shape[dim + 1 :])
         return jnp.moveaxis(x, dim, 0).reshape(n, self.slices[i][1])
 
     def flatten_rows(self, tree: PyTree) -> jax.Array:
@@ -415,7 +415,7 @@ class ParamLayout:
             off, k = self.slices[i]
             if off > end:
                 rows.append(jnp.zeros((n, off - end), jnp.float32))
-            rows.append(self.device_rows(leaves[i], i))
+            rows.append(self.device_rows(leaves[i], i).astype(jnp.float32))
             end = off + k
         if self.shard_size > end:
             rows.append(jnp.zeros((n, self.shard_size - end), jnp.float32))

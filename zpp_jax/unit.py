@@ -374,10 +374,14 @@ class _Call:
             inputs = (rep, state_values, arg_values)
             if layout is None and frozen is None:
                 return fn(None, inputs), None
+            # Decoded straight into the compute dtype: the dequantization
+            # writes bf16 weights, not fp32 ones that a cast then copies, and
+            # their gradients reach the reduction in bf16 (the same values).
             layer = ShardedLayer(
                 lambda full, x: fn(leaves(full), x),
                 layout,
                 config,
+                compute_dtype=self.info.compute_dtype,
                 reduction="sum",
                 prefetch=prefetch,
                 frozen=frozen,

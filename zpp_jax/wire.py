@@ -89,6 +89,14 @@ class WeightWire:
         return quant.effective_block_size(k, self.config.block_size, bits) * bits // 8
 
     @property
+    def _decoded_dtype(self):
+        """What the dequantization writes: `compute_dtype` (fp32 products
+        rounded once, as a cast after them would; a bf16 weight is written
+        in 2 bytes, not 4 and then copied), else fp32 (each leaf is then
+        cast to its own dtype)."""
+        return jnp.float32 if self.compute_dtype is None else jnp.dtype(self.compute_dtype)
+
+    @property
     def _wire_dtype(self):
         return jnp.float32 if self.config.comm_dtype is None else jnp.dtype(self.config.comm_dtype)
 
@@ -109,7 +117,7 @@ class WeightWire:
                 rows.codes[:, c0 : c0 + nb * nbytes].reshape(n, nb, nbytes),
                 rows.scales[:, s0 : s0 + nb],
             )
-            by_offset[o] = kernels.dequantize(q, cfg.weight_bits, k)
+            by_offset[o] = kernels.dequantize(q, cfg.weight_bits, k, self._decoded_dtype)
             c0, s0 = c0 + nb * nbytes, s0 + nb
         if small:
             padded = []
@@ -122,7 +130,7 @@ class WeightWire:
                 jnp.stack(padded, axis=1)[:, :, None],
                 rows.scales[:, s0 : s0 + len(small), None],
             )
-            values = kernels.dequantize(q, cfg.weight_bits, width)
+            values = kernels.dequantize(q, cfg.weight_bits, width, self._decoded_dtype)
             for i, (o, k) in enumerate(small):
                 by_offset[o] = values[:, i, :k]
         return layout.from_segments([by_offset[o] for o, _ in layout.segments], self.compute_dtype)

@@ -33,6 +33,20 @@ _PRESETS = {
         seq_len=4096,
         dtype="bfloat16",
     ),
+    # Llama 3 70B's shapes (7.06e10 parameters; grouped-query attention, 8
+    # key-value heads), for compiling.
+    "70b": dict(
+        vocab_size=128256,
+        d_model=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        d_ff=28672,
+        seq_len=8192,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+        dtype="bfloat16",
+    ),
 }
 
 
@@ -80,7 +94,8 @@ class LlamaConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> LlamaConfig:
-        """`tiny` (tests), `small`, or `7b` (Llama 2 7B's shapes)."""
+        """`tiny` (tests), `small`, `7b` (Llama 2 7B's shapes) or `70b` (Llama 3
+        70B's)."""
         if name not in _PRESETS:
             raise UsageError(f"unknown model size {name!r}; choose one of {sorted(_PRESETS)}")
         return cls(**{**_PRESETS[name], **overrides})

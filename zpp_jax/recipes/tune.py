@@ -52,7 +52,7 @@ class TuneConfig:
     the command's flags."""
 
     arch: str = option("gpt", "the model family", choices=ARCHS)
-    model: str = option("tiny", "size preset: tiny, small (both), 125m (gpt), 7b (llama)")
+    model: str = option("tiny", "size preset: tiny, small (both), 125m (gpt), 7b, 70b (llama)")
     entry: str | None = option(
         None,
         "MODULE:FUNCTION returning an NNX model that maps (batch, seq) token ids to "

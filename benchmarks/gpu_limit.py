@@ -1,0 +1,185 @@
+"""ZeRO-3 and ZeRO++ against the limit of no communication, compiled for
+H200s: each step's XLA estimate, its exposed communication, the kernels
+alone, each link's busy time, MFU, memory per GPU, and the step over the
+no-communication step (`zpp_jax.baseline.NoCommunication`: the same model
+and per-device batch, one device's program).
+
+Nothing runs on a GPU: each step is compiled for XLA's H200 target
+description (`zpp comm --target h200 --json`, which needs the gpu-aot
+extra and ``ZPP_GPU_TARGET_CONFIG``); the times are XLA's estimates, not
+measurements. Writes JSON, a PNG and a results page.
+
+    python benchmarks/gpu_limit.py --out docs/results/DATE-h200-limit [--settings ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pages
+
+GPT = ["--arch", "gpt", "--model", "125m", "--seq", "1024"]
+LLAMA7 = ["--arch", "llama", "--model", "7b", "--seq", "2048"]
+LLAMA70 = ["--arch", "llama", "--model", "70b", "--seq", "4096"]
+# name: zpp comm flags; one sequence per GPU.
+SETTINGS = {
+    "GPT 125m, 12 layers, 2 x 4": [*GPT, "--layers", "12", "--batch", "8"],
+    "GPT 125m, 24 layers, 2 x 4": [*GPT, "--layers", "24", "--batch", "8"],
+    "Llama 7B, 2 x 4": [*LLAMA7, "--batch", "8"],
+    "Llama 7B, 2 x 8": [*LLAMA7, "--batch", "16", "--nodes", "2", "--local", "8"],
+    "Llama 7B, 4 x 8": [*LLAMA7, "--batch", "32", "--nodes", "4", "--local", "8"],
+    "Llama 70B, 4 x 8": [*LLAMA70, "--batch", "32", "--nodes", "4", "--local", "8"],
+    "Llama 70B, 8 x 8": [*LLAMA70, "--batch", "64", "--nodes", "8", "--local", "8"],
+}
+CONFIGS = ("zero3", "zeropp", "nocomm")
+LABELS = {"zero3": "ZeRO-3 (bf16 wire)", "zeropp": "ZeRO++", "nocomm": "no communication"}
+H200_MEMORY_GB = 141
+
+
+def compile_reports(flags: list[str]) -> tuple[dict, float]:
+    """(`zpp comm --target h200 --json` per config, seconds it took)."""
+    command = [sys.executable, "-m", "zpp_jax", "comm", "--target", "h200", "--json"]
+    command += [*flags, "--compute-dtype", "bfloat16", "--configs", *CONFIGS]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    start = time.perf_counter()
+    run = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if run.returncode:
+        sys.exit(f"zpp comm failed:\n{run.stderr[-3000:]}")
+    reports = {r["name"]: _kept(r) for r in json.loads(run.stdout)["configs"]}
+    return reports, time.perf_counter() - start
+
+
+def _kept(report: dict) -> dict:
+    """A report without its per-collective list and per-op exposure."""
+    kept = {k: v for k, v in report.items() if k != "collectives"}
+    if kept["estimate"]:
+        kept["estimate"] = {k: v for k, v in kept["estimate"].items() if k != "exposed_by_op"}
+    return kept
+
+
+def rows(results: dict) -> list[dict]:
+    """One row per setting and config: the numbers the page shows."""
+    out = []
+    for setting, (reports, _) in results.items():
+        limit = reports["nocomm"]["estimate"]["step_us"]
+        for config in CONFIGS:
+            r, est = reports[config], reports[config]["estimate"]
+            out.append(
+                {
+                    "setting": setting,
+                    "config": config,
+                    "step_ms": est["step_us"] / 1e3,
+                    "exposed_ms": sum(est["exposed_us"].values()) / 1e3,
+                    "compute_ms": est["compute_us"] / 1e3,
+                    "nic_busy_ms": est["link_busy_us"].get("nic", 0.0) / 1e3,
+                    "nvlink_busy_ms": est["link_busy_us"].get("nvlink", 0.0) / 1e3,
+                    "mfu": r["mfu"],
+                    "over_limit": est["step_us"] / limit,
+                    "peak_gb": r["peak_memory_bytes"] / 1e9,
+                    "state_gb": r["state_bytes"] / 1e9,
+                }
+            )
+    return out
+
+
+def table(data: list[dict]) -> str:
+    header = ["setting", "method", "step, ms", "exposed, ms", "compute alone, ms"]
+    header += ["NIC busy, ms", "NVLink busy, ms", "MFU", "step / no-comm step"]
+    header += ["peak GB per GPU", "state GB per GPU"]
+    body = [
+        [
+            r["setting"],
+            LABELS[r["config"]],
+            f"{r['step_ms']:.1f}",
+            f"{r['exposed_ms']:.2f}",
+            f"{r['compute_ms']:.1f}",
+            f"{r['nic_busy_ms']:.1f}",
+            f"{r['nvlink_busy_ms']:.1f}",
+            f"{r['mfu']:.1%}",
+            f"{r['over_limit']:.3f}",
+            f"{r['peak_gb']:.1f}",
+            f"{r['state_gb']:.1f}",
+        ]
+        for r in data
+    ]
+    return pages.table(header, body)
+
+
+def plot(data: list[dict], path: pathlib.Path) -> None:
+    import numpy as np
+
+    settings = list(dict.fromkeys(r["setting"] for r in data))
+    fig, ax = pages.figure(figsize=(10, 3.8))
+    width = 0.8 / len(CONFIGS)
+    for i, config in enumerate(CONFIGS):
+        x = np.arange(len(settings)) + (i - (len(CONFIGS) - 1) / 2) * width
+        ratio = [
+            next(r["over_limit"] for r in data if r["setting"] == s and r["config"] == config)
+            for s in settings
+        ]
+        ax.bar(x, ratio, width, label=LABELS[config])
+    ax.axhline(1.05, color="black", lw=0.6, ls="--")
+    ax.set_xticks(np.arange(len(settings)), settings, fontsize=7, rotation=15)
+    ax.set_ylabel("step / no-communication step")
+    ax.set_ylim(0.9, None)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle("H200s, compiled (not run): XLA's estimates; dashed: 1.05", fontsize=10)
+    pages.save(fig, path, titled=True)
+
+
+def page(data: list[dict], results: dict, made: dict) -> str:
+    costs = ", ".join(f"{s}: {seconds / 60:.0f} min" for s, (_, seconds) in results.items())
+    return (
+        "# ZeRO-3 and ZeRO++ against the no-communication limit, compiled for H200s: "
+        "XLA's estimates\n\n"
+        f"Made by `{made['command']}` with the gpu-aot extra. "
+        f"{pages.machine_line(made['machine'])}\n\n"
+        "Each training step (AdamW, bf16 compute, one sequence per GPU) is compiled for H200 "
+        "GPUs from XLA's H200 target description; nothing ran on a GPU. Every time is "
+        "**XLA's estimate** (its scheduler's cost model on the schedule it made, the "
+        "collectives priced on the engine's link model, 45 GB/s NIC and 400 GB/s NVLink "
+        "per GPU, and run one at a time on one communication stream), not a measurement. "
+        "The no-communication step is `NoCommunication`: the same model and per-GPU batch "
+        "with nothing exchanged, one device's program (its optimizer updates the whole "
+        "model, where the sharded steps update a GPU's share). MFU is one GPU's model "
+        "FLOPs (three times the forward pass's matrix multiplies, attention's included) "
+        "over the step x 989 TFLOP/s, the H200's dense bf16 peak from the target "
+        "description. Peak is `memory_analysis()`'s arguments + outputs + temporaries - "
+        f"aliases, against the H200's {H200_MEMORY_GB} GB. Data: "
+        "[gpu_limit.json](gpu_limit.json).\n\n"
+        + table(data)
+        + "\n\n![step over the limit](gpu_limit.png)\n\n"
+        f"Compile time on this machine, per setting (three configurations): {costs}.\n"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument(
+        "--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), metavar="NAME"
+    )
+    args = parser.parse_args()
+    pages.prepare(args.out, "gpu_limit", args.overwrite)
+    results = {}
+    for setting in args.settings:
+        results[setting] = compile_reports(SETTINGS[setting])
+        print(f"{setting}: {results[setting][1]:.0f} s", flush=True)
+    data = rows(results)
+    made = {"command": pages.command(), "machine": pages.machine()}
+    compiled = {s: {"reports": r, "compile_s": t} for s, (r, t) in results.items()}
+    pages.write_json(args.out, "gpu_limit", {**made, "rows": data, "compiled": compiled})
+    plot(data, args.out / "gpu_limit.png")
+    pages.write_page(args.out, page(data, results, made))
+
+
+if __name__ == "__main__":
+    main()
