@@ -846,3 +846,35 @@ def test_on_mesh_makes_the_standard_loop_compile_once(mesh24, placed):
     for i in range(3):
         step(model, opt, jax.device_put(family.batch(i), zpp.batch_sharding(mesh24)))
     assert len(traces) == (1 if placed else 2)
+
+
+def test_weights_are_decoded_and_gradients_quantized_in_the_compute_dtype(mesh24):
+    """With a bf16 compute dtype over fp32 parameters, every unit's weight
+    dequantization writes bf16 (not fp32 weights that a cast then copies)
+    and every gradient the quantizer reads is bf16 (not an fp32 copy of
+    it): the step reads and writes half the bytes of both there."""
+    import re
+
+    from zpp_jax.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig.preset("tiny", seq_len=16, dtype="bfloat16"), nnx.Rngs(0))
+    config = zpp.ZeroPPConfig(comm_dtype="bfloat16")
+    trainer = zpp.Trainer(model, optax.adamw(1e-3), mesh24, config, compute_dtype="bfloat16")
+    tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+    text = (
+        trainer.train_step.trace(trainer.abstract_state(), batch).lower().as_text(debug_info=True)
+    )
+    scope = dict(re.findall(r'^(#loc\d+) = loc\("([^"]*)"', text, re.M))
+
+    def calls(kernel, where):
+        """(operand types, result types) of the calls of `kernel` in scope `where`."""
+        pattern = rf"func\.call @_{kernel}(?:_\d+)?\(.* : \((.*)\) -> (.*) loc\((#loc\d+)\)"
+        found = [m.groups() for m in re.finditer(pattern, text)]
+        return [(a, r) for a, r, loc in found if scope.get(loc, "").startswith(where)]
+
+    decoded = calls("dequantize", "zpp_gather")
+    assert decoded and all(r.endswith("bf16>") for _, r in decoded), decoded
+    # The gradient's blocks: (devices, blocks, block); the weights' are 1-D.
+    gradients = [a for a, _ in calls("quantize", "zpp_quantize") if a.split(",")[0].count("x") == 3]
+    assert gradients and all(a.split(",")[0].endswith("bf16>") for a in gradients), gradients
