@@ -151,6 +151,7 @@ def test_constrained_activations_make_xla_gather_the_weights(mesh24):
     assert type(model) is GPT and type(model.embed) is Embed
 
 
+@pytest.mark.slow  # a baseline, not the engine
 def test_no_communication_trains_each_replica_as_one_device_does(mesh24):
     """Each device's replica after two steps is the model trained on that
     device's rows alone, on one device; the step's only collective is the

@@ -397,3 +397,14 @@ def test_the_no_communication_limit_is_one_devices_program_with_an_mfu():
     assert flops == 3 * t * per_token  # 0.96 TFLOP
     assert mfu(est, flops) == pytest.approx(flops / (est["step_us"] * 1e-6 * 989.17e12), rel=1e-4)
     assert 0 < mfu(est, flops) < 1
+
+
+@pytest.mark.parametrize("name", list(SIZES))
+def test_zeropp_is_within_5_percent_of_the_no_communication_step(name):
+    """In XLA's estimate, the ZeRO++ step of every model and depth is at
+    most 1.05x the step of the same model and per-GPU batch with nothing
+    exchanged (one device's program, `NoCommunication`): its communication
+    hidden, and its quantization's passes over the weights and gradients
+    a few percent of the step."""
+    limit = cases.report(name, "nocomm")["estimate"]["step_us"]
+    assert cases.report(name, "zeropp")["estimate"]["step_us"] <= 1.05 * limit
