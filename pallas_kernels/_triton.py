@@ -22,7 +22,6 @@ from pallas_kernels import _reference as ref
 from pallas_kernels._reference import QuantizedBlocks
 
 _TILE_ELEMENTS = 8192
-_MIN_TILE_ELEMENTS = 1024
 _NUM_WARPS = 4
 
 
@@ -35,14 +34,7 @@ def _floor_pow2(n: int) -> int:
 
 
 def _rows_per_tile(rows: int, width: int) -> int:
-    """Rows of blocks per tile: a power of two, as many as fit
-    `_TILE_ELEMENTS`; fewer where that many divide `rows` and the tile keeps
-    `_MIN_TILE_ELEMENTS`. A tile that does not divide the rows makes the
-    caller pad the array to whole tiles, one more copy of all of it (and a
-    slice of the output), where a smaller tile costs only more programs."""
-    most = min(_pow2(rows), _floor_pow2(max(1, _TILE_ELEMENTS // width)))
-    dividing = min(most, rows & -rows)
-    return dividing if dividing * width >= _MIN_TILE_ELEMENTS else most
+    return min(_pow2(rows), _floor_pow2(max(1, _TILE_ELEMENTS // width)))
 
 
 def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:

@@ -239,26 +239,6 @@ def test_aligned_multi_tile_sizes():
         )
 
 
-def test_a_tile_that_divides_the_blocks_spares_the_padding():
-    """100 blocks of 256: 4-row tiles (1024 elements) divide them, so the
-    kernels pad nothing, not 32-row tiles that would pad the array to 128
-    blocks (a copy of all of it); the bits are the reference's. Rows whose
-    dividing tile would be under 1024 elements are padded to full tiles."""
-    from pallas_kernels._triton import _rows_per_tile
-
-    assert _rows_per_tile(100, 256) == 4 and _rows_per_tile(128, 256) == 32
-    assert _rows_per_tile(98820, 256) == 4  # a Llama 7B layer's shard on 8 GPUs
-    assert _rows_per_tile(101, 256) == 32 and _rows_per_tile(100, 128) == 64
-    x = _data(3, (2, 256 * 100), jnp.float32, True)
-    for bits in (4, 8):
-        q = pk.quantize(x, bits, 256, interpret=True)
-        _same(q, ref_quantize(x, bits, 256))
-        _same(
-            pk.dequantize(q, bits, x.shape[-1], jnp.bfloat16, interpret=True),
-            ref_dequantize(q, bits, x.shape[-1], jnp.bfloat16),
-        )
-
-
 # The GPU the kernels are lowered for: an H200 (sm_90). Triton lowers for
 # a compute capability, which JAX reads from the current abstract mesh's
 # device when no GPU is attached (jax 0.11 and later).
