@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import platform
+import shlex
 import sys
 
 
@@ -29,7 +30,7 @@ def command() -> str:
     """The command line that is running, as run from the repository root."""
     script = pathlib.Path(sys.argv[0]).resolve()
     root = pathlib.Path(__file__).resolve().parent.parent
-    return " ".join(["python", str(script.relative_to(root)), *sys.argv[1:]])
+    return shlex.join(["python", str(script.relative_to(root)), *sys.argv[1:]])
 
 
 def _cpu_name() -> str:
