@@ -92,10 +92,47 @@ def _constrain_modules(model: nnx.Module, mesh: Mesh) -> None:
 class _PlainProgram:
     """What the baselines' programs share: the state ``(params, opt_state,
     rest, step)``, batches split over every device, a loss of the model
-    merged from its parameters (cast to `compute_dtype`, if any), and a
-    step compiled for a batch's shapes. A subclass sets ``mesh``,
-    ``links``, ``compute_dtype``, ``_graphdef``, ``_loss_fn`` and
-    ``_abstract_state``."""
+    merged from its parameters (cast to `compute_dtype`, if any), one
+    device's update, and a step compiled for a batch's shapes. A subclass
+    calls `_set_up`, sets ``_abstract_state`` and jits its step with
+    `_jitted_train_step`."""
+
+    def _set_up(self, model, optimizer, mesh, loss_fn, compute_dtype, links) -> tuple:
+        """Check and keep what every baseline takes; returns the model's
+        (params, other variables). Raises UsageError for a mesh that is not
+        (`node`, `local`), bad links or a compute dtype that is not floating."""
+        mesh_shape(mesh)
+        check_links(links)
+        if compute_dtype is not None and not jnp.issubdtype(compute_dtype, jnp.floating):
+            raise UsageError(f"compute_dtype must be a floating dtype, got {compute_dtype!r}")
+        self.mesh, self.links, self.compute_dtype = mesh, links, compute_dtype
+        self._graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+        if not self.abstract:
+            self._values = (params, rest)
+        self._optimizer, self._loss_fn = optimizer, loss_fn
+        self.compiler_options = overlap_options(mesh)
+        return params, rest
+
+    def _jitted_train_step(self, shardings: tuple):
+        """`_train_step` under `jax.jit`: the state laid out by `shardings`
+        (and donated), the batch over every device, the metrics replicated."""
+        return jax.jit(
+            self._train_step,
+            in_shardings=(shardings, batch_sharding(self.mesh)),
+            out_shardings=(shardings, NamedSharding(self.mesh, P())),
+            donate_argnums=0,
+            compiler_options=self.compiler_options or None,
+        )
+
+    def _concrete_values(self) -> tuple:
+        """The model's (params, other variables); UsageError for an abstract model."""
+        if self.abstract:
+            raise UsageError(
+                f"this {type(self).__name__} was built on an abstract model (nnx.eval_shape): "
+                "compile its step with compile_step(batch), or build the model itself to train it"
+            )
+        return self._values
 
     def batch_sharding(self) -> NamedSharding:
         """Sharding for batch arrays: the leading (batch) axis over every
@@ -127,6 +164,12 @@ class _PlainProgram:
         if self.compute_dtype is not None:
             params = jax.tree.map(functools.partial(_cast, dtype=self.compute_dtype), params)
         return self._loss_fn(nnx.merge(self._graphdef, params, rest), batch)
+
+    def _update(self, params, opt_state, rest, batch: dict) -> tuple:
+        """One optimizer step on `batch`: (params, opt_state, loss)."""
+        value, grads = jax.value_and_grad(self._loss)(params, rest, batch)
+        updates, opt_state = self._optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
 
 
 class JitFSDP(_PlainProgram):
@@ -164,19 +207,11 @@ class JitFSDP(_PlainProgram):
         links: LinkModel | None = DEFAULT_LINKS,
         constrain_activations: bool = False,
     ) -> None:
-        mesh_shape(mesh)
-        check_links(links)
-        self.links = links
-        if compute_dtype is not None and not jnp.issubdtype(compute_dtype, jnp.floating):
-            raise UsageError(f"compute_dtype must be a floating dtype, got {compute_dtype!r}")
-        self.mesh = mesh
-        self.compute_dtype = compute_dtype
-        self._graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        params, rest = self._set_up(model, optimizer, mesh, loss_fn, compute_dtype, links)
         if constrain_activations:
             copy = nnx.merge(self._graphdef, params, rest)
             _constrain_modules(copy, mesh)
             self._graphdef = nnx.graphdef(copy)
-        self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
         opt_state = jax.eval_shape(optimizer.init, params)
 
         def shard(a):
@@ -194,17 +229,7 @@ class JitFSDP(_PlainProgram):
             (params, opt_state, rest, jax.ShapeDtypeStruct((), jnp.int32)),
             self._shardings,
         )
-        if not self.abstract:
-            self._values = (params, rest)
-        self._optimizer, self._loss_fn = optimizer, loss_fn
-        self.compiler_options = overlap_options(mesh)
-        self.train_step = jax.jit(
-            self._train_step,
-            in_shardings=(self._shardings, batch_sharding(mesh)),
-            out_shardings=(self._shardings, NamedSharding(mesh, P())),
-            donate_argnums=0,
-            compiler_options=self.compiler_options or None,
-        )
+        self.train_step = self._jitted_train_step(self._shardings)
         self.eval_step = jax.jit(
             self._eval_step,
             in_shardings=(self._shardings, batch_sharding(mesh)),
@@ -214,12 +239,7 @@ class JitFSDP(_PlainProgram):
 
     def init(self) -> tuple:
         """The sharded state at step 0 (a concrete model only)."""
-        if self.abstract:
-            raise UsageError(
-                "this JitFSDP was built on an abstract model (nnx.eval_shape): compile its "
-                "step with compile_step(batch), or build the model itself to train it"
-            )
-        params, rest = self._values
+        params, rest = self._concrete_values()
         params_sh, opt_sh, rest_sh, step_sh = self._shardings
         params = jax.device_put(params, params_sh)
         opt_state = jax.jit(self._optimizer.init, out_shardings=opt_sh)(params)
@@ -228,10 +248,8 @@ class JitFSDP(_PlainProgram):
 
     def _train_step(self, state: tuple, batch: dict) -> tuple[tuple, dict[str, Any]]:
         params, opt_state, rest, step = state
-        value, grads = jax.value_and_grad(self._loss)(params, rest, batch)
-        updates, opt_state = self._optimizer.update(grads, opt_state, params)
-        new = (optax.apply_updates(params, updates), opt_state, rest, step + 1)
-        return new, {"loss": value}
+        params, opt_state, value = self._update(params, opt_state, rest, batch)
+        return (params, opt_state, rest, step + 1), {"loss": value}
 
     def _eval_step(self, state: tuple, batch: dict) -> jax.Array:
         params, _, rest, _ = state
@@ -281,14 +299,7 @@ class NoCommunication(_PlainProgram):
         compute_dtype=None,
         links: LinkModel | None = DEFAULT_LINKS,
     ) -> None:
-        mesh_shape(mesh)
-        check_links(links)
-        if compute_dtype is not None and not jnp.issubdtype(compute_dtype, jnp.floating):
-            raise UsageError(f"compute_dtype must be a floating dtype, got {compute_dtype!r}")
-        self.mesh, self.links, self.compute_dtype = mesh, links, compute_dtype
-        self._graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
-        self._optimizer, self._loss_fn = optimizer, loss_fn
+        params, rest = self._set_up(model, optimizer, mesh, loss_fn, compute_dtype, links)
         per_device = NamedSharding(mesh, P(AXES))
         replicated = NamedSharding(mesh, P())
         opt_state = jax.eval_shape(optimizer.init, params)
@@ -300,28 +311,15 @@ class NoCommunication(_PlainProgram):
             ),
             jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
         )
-        if not self.abstract:
-            self._values = (params, rest)
-        self.compiler_options = overlap_options(mesh)
-        shardings = jax.tree.map(lambda a: a.sharding, self._abstract_state)
-        self.train_step = jax.jit(
-            self._train_step,
-            in_shardings=(shardings, batch_sharding(mesh)),
-            out_shardings=(shardings, replicated),
-            donate_argnums=0,
-            compiler_options=self.compiler_options or None,
+        self.train_step = self._jitted_train_step(
+            jax.tree.map(lambda a: a.sharding, self._abstract_state)
         )
         self.eval_step = jax.jit(self._eval_step, compiler_options=self.compiler_options or None)
 
     def init(self) -> tuple:
         """The state at step 0: every replica the model as built (a
         concrete model only)."""
-        if self.abstract:
-            raise UsageError(
-                "this NoCommunication was built on an abstract model (nnx.eval_shape): "
-                "compile its step with compile_step(batch), or build the model itself"
-            )
-        params, rest = self._values
+        params, rest = self._concrete_values()
         params_sh, opt_sh, rest_sh, step_sh = jax.tree.map(
             lambda a: a.sharding, self._abstract_state
         )
@@ -356,12 +354,6 @@ class NoCommunication(_PlainProgram):
             check_vma=False,
         )(params, opt_state, rest, batch)
         return (params, opt_state, rest, step + 1), {"loss": loss}
-
-    def _update(self, params, opt_state, rest, batch: dict) -> tuple:
-        """One device's step: (params, opt_state, loss)."""
-        value, grads = jax.value_and_grad(self._loss)(params, rest, batch)
-        updates, opt_state = self._optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
 
     def _eval_step(self, state: tuple, batch: dict) -> jax.Array:
         """The mean of the replicas' losses on their rows."""
