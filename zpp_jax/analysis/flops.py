@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -116,13 +115,3 @@ def peak_matrix_flops(target_description: str, dtype: str = "bfloat16") -> float
         return None
     ghz, units, per_clock = float(rate.group(1)), int(rate.group(2)), int(rate.group(3))
     return 2.0 * int(cores.group(1)) * units * per_clock * ghz * 1e9
-
-
-def dumped_peak_matrix_flops(dump: Path, dtype: str = "bfloat16") -> float | None:
-    """`peak_matrix_flops` of the target description XLA wrote into `dump`
-    (``*gpu_target_config.pbtxt``); None without one."""
-    for path in sorted(dump.glob("*gpu_target_config.pbtxt")):
-        peak = peak_matrix_flops(path.read_text(), dtype)
-        if peak is not None:
-            return peak
-    return None

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from zpp_jax.analysis.flops import dumped_peak_matrix_flops
+from zpp_jax.analysis.flops import peak_matrix_flops
 from zpp_jax.analysis.hlo import (
     INSTRUCTION,
     KINDS,
@@ -440,14 +440,22 @@ def _shape_bytes(lines: list[str]) -> float:
     return sum(size * count for _, size, count in arrays)
 
 
+def dumped_target_description(dump: Path) -> str:
+    """The GPU target description XLA wrote into `dump`
+    (``*.gpu_target_config.pbtxt``, text format; "" without one)."""
+    found = sorted(dump.glob("*gpu_target_config.pbtxt"))
+    return found[0].read_text() if found else ""
+
+
 def memory_bandwidth(dump: Path) -> float | None:
     """Bytes per second of the GPU memory, from the target description XLA
-    wrote into `dump` (``*.gpu_target_config.pbtxt``); None without one."""
-    for path in sorted(dump.glob("*gpu_target_config.pbtxt")):
-        found = re.search(r"^\s*memory_bandwidth:\s*(\d+)", path.read_text(), re.M)
-        if found:
-            return float(found.group(1))
-    return None
+    wrote into `dump` (`dumped_target_description`); None without one."""
+    return _memory_bandwidth_in(dumped_target_description(dump))
+
+
+def _memory_bandwidth_in(description: str) -> float | None:
+    found = re.search(r"^\s*memory_bandwidth:\s*(\d+)", description, re.M)
+    return float(found.group(1)) if found else None
 
 
 def read_estimate(
@@ -460,8 +468,10 @@ def read_estimate(
     the longest module, if XLA compiled more than the step into it; its
     Pallas kernels priced at the memory bandwidth of the GPU XLA compiled
     for (`memory_bandwidth`), with that GPU's matrix peak
-    (`zpp_jax.analysis.flops.dumped_peak_matrix_flops`)."""
-    bandwidth = memory_bandwidth(dump)
+    (`zpp_jax.analysis.flops.peak_matrix_flops`); the description is read
+    once for both."""
+    description = dumped_target_description(dump)
+    bandwidth = _memory_bandwidth_in(description)
     files = sorted(dump.glob("*.schedule.txt"))
     estimates = [
         schedule_estimate(f.read_text(), latency_us, link_of, queue, bandwidth) for f in files
@@ -469,4 +479,4 @@ def read_estimate(
     longest = max((e for e in estimates if e is not None), key=lambda e: e.step_us, default=None)
     if longest is None:
         return None
-    return dataclasses.replace(longest, peak_matrix_flops=dumped_peak_matrix_flops(dump))
+    return dataclasses.replace(longest, peak_matrix_flops=peak_matrix_flops(description))
