@@ -80,7 +80,8 @@ def compare(
     nothing, as `zpp.shard` takes it."""
     configs = DEFAULT_CONFIGS if configs is None else configs
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
-    flops = device_training_flops(make_model(), batch // mesh.size, seq_len)
+    # Counted on the model's shapes: a concrete `make_model` is not built again for it.
+    flops = device_training_flops(nnx.eval_shape(make_model), batch // mesh.size, seq_len)
     reports = []
     for name, cfg in configs.items():
         if isinstance(cfg, ZeroPPConfig):
