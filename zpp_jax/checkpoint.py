@@ -230,14 +230,15 @@ class Checkpointer:
         the cost is that pause, on the failure path only."""
         if jax.process_index() != 0:
             return
+        pattern = f"{int(step)}.orbax-checkpoint-tmp*"
         deadline = time.monotonic() + _DISCARD_LIMIT_S
         while time.monotonic() < deadline:
-            partials = list(self.directory.glob(f"{int(step)}.orbax-checkpoint-tmp*"))
+            partials = list(self.directory.glob(pattern))
             for partial in partials:
                 shutil.rmtree(partial, ignore_errors=True)
             if not partials:
                 time.sleep(_SETTLE_S)
-                if not any(self.directory.glob(f"{int(step)}.orbax-checkpoint-tmp*")):
+                if not any(self.directory.glob(pattern)):
                     return
 
     def latest_step(self) -> int | None:
