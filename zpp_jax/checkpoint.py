@@ -20,6 +20,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import pathlib
 import re
@@ -40,6 +41,17 @@ from zpp_jax.errors import OutputError, UsageError
 
 _RESIDUAL = "_zpp_residual"
 _FROZEN = "_zpp_frozen"
+
+
+def _codes_for_another_count(saved_mesh: dict | None, target) -> bool:
+    """Whether frozen codes saved on `saved_mesh` have blocks that differ
+    from `target`'s: each device's blocks follow its share, so codes fit a
+    mesh of as many devices only. Their shapes may agree even so (when
+    every share is whole blocks)."""
+    mesh = getattr(getattr(target, "sharding", None), "mesh", None)
+    if not saved_mesh or mesh is None:
+        return False
+    return math.prod(saved_mesh.values()) != mesh.devices.size
 
 
 def _mesh_text(mesh: dict | None) -> str:
@@ -328,6 +340,8 @@ class Checkpointer:
         request, reset = {}, []
         for key, t in wanted.items():
             shape = tuple(saved[key].shape)
+            if _FROZEN in key and _codes_for_another_count(meta.get("mesh"), t):
+                shape = None  # the same bytes, cut into other blocks
             if shape == tuple(np.shape(t)) and getattr(t, "sharding", None) is None:
                 request[key] = np.zeros(np.shape(t), np.result_type(t))  # a host array
             elif shape == tuple(np.shape(t)):
