@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file
 
 from zpp_jax import hf
 from zpp_jax.cli import main
@@ -179,9 +180,10 @@ def test_a_checkpoint_without_a_tokenizer_or_config_is_refused(tmp_path, capfd):
 @pytest.mark.slow
 def test_a_lora_run_trains_adapters_and_exports_them_merged(tmp_path, capfd):
     """zpp train --lora over the checkpoint (an int8 base): the metrics
-    carry the state bytes per device; the export merges the adapters, and
-    the exported model's validation loss is the run's last (to the
-    rounding of fp32 sums in another order)."""
+    carry the state bytes per device; the export merges the adapters, the
+    exported model's validation loss is the run's last (to the rounding of
+    fp32 sums in another order), and every tensor no adapter wraps is the
+    checkpoint's own."""
     ckpt, data = write_finetune(tmp_path)
     metrics, run = tmp_path / "m.jsonl", str(tmp_path / "run")
     extra = ["--lora", "4", "--metrics", str(metrics), "--ckpt-dir", run]
@@ -200,6 +202,14 @@ def test_a_lora_run_trains_adapters_and_exports_them_merged(tmp_path, capfd):
         logits = model(jnp.asarray(batch["inputs"]))
         losses.append(float(cross_entropy(logits, batch["targets"], batch["weights"])))
     assert np.mean(losses) == pytest.approx(records[-1]["val_loss"], rel=1e-5)
+    # What no adapter wraps (the embedding, the norms, the LM head) is the
+    # checkpoint's own, bit for bit: only the adapted kernels were codes.
+    base = load_file(ckpt / "model.safetensors")
+    exported = load_file(out / "model.safetensors")
+    untouched = [name for name in base if "_proj." not in name]
+    assert len(untouched) == 2 * 2 + 3 and set(exported) == set(base)
+    for name in untouched:
+        np.testing.assert_array_equal(exported[name], base[name], err_msg=name)
     capfd.readouterr()
     assert main(["train", "--init", str(ckpt), "--data", str(data), "--lora", "0"]) == 2
     assert "--lora: must be an int from 1" in capfd.readouterr().err

@@ -2,6 +2,8 @@
 `zpp_jax.lora`): the sharded model computes what the plain one does with
 the same base, only the adapters train, and the base stays bit for bit."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +24,8 @@ CFG = LlamaConfig(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, 
 EXACT = zpp.ZeroPPConfig.zero3(comm_dtype=None)
 
 
-def _lora_llama(rank=8):
-    model = add_lora(Llama(CFG, nnx.Rngs(0)), rank)
+def _lora_llama(rank=8, cfg=CFG):
+    model = add_lora(Llama(cfg, nnx.Rngs(0)), rank)
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
         var.set_value(var.get_value() + 0.01)  # b is zero at first: make the adapters count
     return model
@@ -73,15 +75,28 @@ def test_a_sharded_lora_computes_what_the_plain_model_does(bits):
 
 
 @pytest.mark.slow  # a training run
-def test_training_moves_the_adapters_alone_and_keeps_the_base_bits():
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+def test_training_moves_the_adapters_alone_and_keeps_the_base_bits(tied):
     """Five steps of the Trainer with every technique on (qwZ, hpZ, qgZ
-    with error feedback) and a 4-bit base: the stored codes and the frozen
-    weights outside units are the same bits, the adapters have moved, and
-    the optimizer holds state for the adapters alone."""
+    with error feedback) and a 4-bit base, with an LM head or with the
+    embedding tied to it (`nnx.Embed.attend`, outside the unit's call):
+    the adapted kernels are stored as codes, and every other frozen
+    parameter (embedding, norms, head) is the model's own, bit for bit;
+    neither changes; the adapters have moved, and the optimizer holds state
+    for the adapters alone."""
     mesh = zpp.make_mesh(2, 4)
     config = zpp.ZeroPPConfig(error_feedback=True, frozen_bits=4)
-    trainer = Trainer(_lora_llama(), optax.adam(1e-2), mesh, config, freeze=FROZEN)
+    cfg = dataclasses.replace(CFG, tie_embeddings=tied)
+    trainer = Trainer(_lora_llama(cfg=cfg), optax.adam(1e-2), mesh, config, freeze=FROZEN)
     state = trainer.init()
+    codes = nnx.state(trainer.model(state), FrozenWeights)
+    assert len(jax.tree.leaves(codes)) == 2  # the two layers' adapted kernels
+    own = dict(nnx.to_flat_state(nnx.state(_lora_llama(cfg=cfg), nnx.Not(nnx.LoRAParam))))
+    kept = {p: v for p, v in frozen_values(trainer.model(state)).items() if "base_module" not in p}
+    norms = 2 * 2 + 1
+    assert len(kept) == norms + (1 if tied else 2)  # the embedding, and the head if untied
+    for path, value in kept.items():
+        np.testing.assert_array_equal(np.asarray(value), own[path].get_value())
 
     def frozen(state):
         held = nnx.state(trainer.model(state), nnx.Any(FrozenParam, FrozenWeights))
@@ -99,7 +114,7 @@ def test_training_moves_the_adapters_alone_and_keeps_the_base_bits():
         )
         state, metrics = trainer.train_step(state, batch)
         assert np.isfinite(float(metrics["loss"]))
-    assert len(before) == 5  # two units' codes; embedding, final norm, head
+    assert len(before) == 2 + len(kept)
     for a, b in zip(before, frozen(state), strict=True):
         np.testing.assert_array_equal(a, b)
     moved = zip(lora_before, adapters(state), strict=True)
@@ -195,7 +210,7 @@ def test_frozen_codes_restore_on_a_mesh_of_their_shape(tmp_path):
     restored, _ = Checkpointer(tmp_path).restore(again.abstract_state())
     codes = jax.tree.leaves(nnx.state(saved.model(state), FrozenWeights))
     back = jax.tree.leaves(nnx.state(again.model(restored), FrozenWeights))
-    assert len(codes) == len(back) == 5
+    assert len(codes) == len(back) == 2  # the two layers' adapted kernels
     for a, b in zip(codes, back, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     other = trainer(zpp.make_mesh(1, 4, devices=jax.devices()[:4]))
@@ -206,8 +221,8 @@ def test_frozen_codes_restore_on_a_mesh_of_their_shape(tmp_path):
 @pytest.mark.slow
 def test_the_lora_step_gathers_codes_and_reduces_the_adapters_through_qgz():
     """The compiled LoRA step (every technique on, int8 base): every
-    all-gather carries bytes (codes, both the frozen base's and the
-    adapters'), over the nodes and inside them (hpZ); the gradient
+    all-gather of a unit carries bytes (codes, both the adapted kernels'
+    and the adapters'), over the nodes and inside them (hpZ); the gradient
     reduction is qgZ's all-to-all, once per unit with adapters (the two
     layers: the embedding, final norm and head train nothing)."""
     from zpp_jax.analysis import step_report
@@ -217,7 +232,13 @@ def test_the_lora_step_gathers_codes_and_reduces_the_adapters_through_qgz():
     tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
     report = step_report(trainer, {"inputs": tokens, "targets": tokens})
     gathers = [c for c in report["collectives"] if c["kind"] == "all-gather"]
-    assert gathers and all(c["dtypes"] == ["u8"] for c in gathers)
-    assert {c["spans_nodes"] for c in gathers} == {True, False}
+    codes = [c for c in gathers if c["unit"]]
+    assert codes and all(c["dtypes"] == ["u8"] for c in codes)
+    assert {c["spans_nodes"] for c in codes} == {True, False}
+    # The frozen parameters no adapter wraps travel in their own dtype (XLA's
+    # gathers), each once a step: five norms, the embedding and the head.
+    own = [c for c in gathers if not c["unit"]]
+    assert all(c["dtypes"] == ["f32"] for c in own)
+    assert sorted(c["bytes"] for c in own) == [64 * 4] * 5 + [64 * 64 * 4] * 2
     all_to_all = [c for c in report["collectives"] if c["kind"] == "all-to-all"]
     assert len(all_to_all) == 2 and all(set(c["dtypes"]) == {"u8"} for c in all_to_all)

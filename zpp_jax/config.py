@@ -68,12 +68,13 @@ class ZeroPPConfig:
         step after step). 4-bit codes have only 15 levels, and on small models
         nearest rounding costs several percent of loss over a short run.
         Weights are always rounded to nearest.
-      frozen_bits: 8 or 4 bits per code of frozen weights (those
-        ``zpp.shard(freeze=...)`` names, such as a LoRA's base): each unit's
-        are quantized once, stored as codes and scales (about a quarter or
-        an eighth of fp32), gathered as codes (with hpZ: over the node,
-        then inside it) in both passes, and never get a gradient. None:
-        stored in their own dtype and gathered as weights are.
+      frozen_bits: 8 or 4 bits per code of the frozen kernels a LoRA
+        adapts (``zpp.shard(freeze=...)``; `zpp_jax.frozen.adapted_kernels`):
+        each unit's are quantized once, stored as codes and scales (about a
+        quarter or an eighth of fp32), gathered as codes (with hpZ: over the
+        node, then inside it) in both passes, and never get a gradient.
+        None: stored in their own dtype and gathered as weights are. Other
+        frozen parameters always keep their own dtype.
       comm_dtype: dtype of the *unquantized* collectives (the plain all-gather
         and reduce-scatter), e.g. "bfloat16" for a ZeRO-3 baseline that moves
         bf16 weights and gradients. None moves the fp32 master values exactly.

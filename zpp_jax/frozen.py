@@ -4,22 +4,31 @@ in the qwZ block format and gathered as codes.
 `zpp.shard(model, mesh, config, freeze=FILTER)` takes each unit's
 parameters that FILTER names out of training (`freeze_unit`):
 
-* those split over the devices are quantized once (``config.frozen_bits``:
-  8 or 4 bits in blocks of ``config.block_size``; None keeps their dtype)
-  and stored as one wire per device, a unit's `FrozenWeights`: what a
-  forward gather of them would send, made once instead of every step. The
-  parameters themselves become value-less `FrozenParam` placeholders that
-  keep their path, shape and dtype; a call of the unit fills them with the
-  weights decoded from the gathered codes.
-* those kept whole (too small to split) stay whole, as `FrozenParam`s
-  with their value, and get no gradient.
+* the kernels of the linear layers a LoRA adapts (an `nnx.LoRA`'s base
+  module's, an `nnx.LoRALinear`'s: `adapted_kernels`), where split over the
+  devices, are quantized once (``config.frozen_bits``: 8 or 4 bits in
+  blocks of ``config.block_size``; None keeps their dtype) and stored as
+  one wire per device, a unit's `FrozenWeights`: what a forward gather of
+  them would send, made once instead of every step. The parameters
+  themselves become value-less `FrozenParam` placeholders that keep their
+  path, shape and dtype; a call of the unit fills them with the weights
+  decoded from the gathered codes. This is QLoRA's split: the adapted
+  layers' base is quantized, nothing else is.
+* the others (embeddings, norms, biases, an output head no adapter wraps,
+  and every frozen parameter of a model without adapters) keep their own
+  dtype and values, as `FrozenParam`s split like trained parameters (or
+  whole, when too small to split). A unit's call gathers them unquantized
+  (XLA's all-gather), and the model's own code may use them outside a call
+  too, as a tied LM head uses the embedding (`nnx.Embed.attend`). An
+  export of the model gives them back bit for bit.
 
 Frozen parameters outside every unit (those a policy leaves out) become
 `FrozenParam`s with their value, split as other parameters are: nothing
 trains them, and they are not quantized.
 
-Memory per device: about bits/8 bytes per frozen element over N (a
-quarter or an eighth of fp32), plus a 4-byte scale per block. The codes'
+Memory per device: about bits/8 bytes per element of an adapted kernel
+over N (a quarter or an eighth of fp32), plus a 4-byte scale per block;
+the other frozen parameters, their own bytes over N. The codes'
 blocks follow each device's share, so a checkpoint of them restores onto
 a mesh of the same size only (`Checkpointer.restore` says so).
 
@@ -49,7 +58,7 @@ from zpp_jax.wire import WeightWire
 
 # What a user meets (the variable types in a sharded model's state); the
 # rest is the engine's.
-__all__ = ["FrozenParam", "FrozenWeights"]
+__all__ = ["FrozenParam", "FrozenWeights", "adapted_kernels"]
 
 
 class FrozenParam(nnx.Variable):
@@ -135,30 +144,47 @@ def decode_frozen(
     return jax.tree.leaves(jax.jit(wire.decode)(rows))
 
 
+def adapted_kernels(module: nnx.Module) -> set[tuple]:
+    """Paths, in `module`, of the kernels its LoRA adapters adapt: each
+    `nnx.LoRA`'s base module's kernel and each `nnx.LoRALinear`'s."""
+    paths = set()
+    for path, sub in nnx.iter_modules(module):
+        if isinstance(sub, nnx.LoRALinear):
+            paths.add((*path, "kernel"))
+        elif isinstance(sub, nnx.LoRA) and _has_kernel(sub.base_module):
+            paths.add((*path, "base_module", "kernel"))
+    return paths
+
+
+def _has_kernel(module) -> bool:
+    return isinstance(getattr(module, "kernel", None), nnx.Variable)
+
+
 def freeze_unit(
     module: nnx.Module, frozen: list, mesh: Mesh, config: ZeroPPConfig, stacked: bool, name: str
 ) -> tuple[FrozenSpec, ...]:
     """Store the unit `module`'s `frozen` parameters ((path, variable)
-    pairs) as frozen weights: the split ones as one `FrozenWeights` wire
-    (``module._zpp_frozen``) and value-less `FrozenParam`s, the whole ones
-    as `FrozenParam`s holding their value on every device. Returns the
-    split ones' specs, for the unit's calls.
+    pairs) as frozen weights: the split kernels LoRA adapts
+    (`adapted_kernels`) as one `FrozenWeights` wire (``module._zpp_frozen``)
+    and value-less `FrozenParam`s; the others as `FrozenParam`s holding
+    their value, split over the devices (or whole, when too small). Returns
+    the wire's specs, for the unit's calls.
 
     Memory per device: the wire, about bits/8 bytes per element over N
-    (plus a scale per block), and the whole ones in their dtype.
+    (plus a scale per block), and the others in their dtype over N.
     """
     if stacked:
         raise UsageError(
             f"unit {name} is a stack of layers (nnx.scan / nnx.vmap); frozen weights are "
             "stored for units of one layer: build the model's layers as a list"
         )
-    n = mesh.devices.size
+    n, adapted = mesh.devices.size, adapted_kernels(module)
     specs, values = [], []
     for path, var in frozen:
         value = var.get_value()
         dim = shard_dim(np.shape(value), n, False, keep_below=config.persistence_threshold)
-        if dim is None:
-            set_at(module, path, FrozenParam(place(value, mesh, None)))
+        if dim is None or tuple(path) not in adapted:
+            set_at(module, path, FrozenParam(place(value, mesh, dim)))
             continue
         dtype = jnp.dtype(value.dtype)
         specs.append(FrozenSpec(tuple(path), tuple(np.shape(value)), dtype, dim))

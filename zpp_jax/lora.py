@@ -4,8 +4,9 @@ frozen base.
 `add_lora(model, rank)` wraps each `nnx.Linear` named in `targets` in an
 `nnx.LoRA` (``y = base(x) + x @ a @ b``, `b` starting at zero, so the
 model computes what it did). `FROZEN` is the filter of everything but the
-adapters: ``zpp.shard(model, mesh, config, freeze=FROZEN)`` stores the base
-as ``config.frozen_bits`` codes and trains the adapters alone, and
+adapters: ``zpp.shard(model, mesh, config, freeze=FROZEN)`` stores the adapted
+kernels as ``config.frozen_bits`` codes (the rest of the base in its own
+dtype, as QLoRA does) and trains the adapters alone, and
 ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)`` updates them alone on any
 model with `nnx.LoRA` layers. `merge_lora` folds the adapters into their
 base kernels (for export).

@@ -250,7 +250,7 @@ def shard(
         (`zpp_jax.outputs.combine_outputs`). Undeclared, such an output
         raises UsageError: it would be one device's alone.
       freeze: an NNX filter of parameters that train nothing (a LoRA's
-        base: ``zpp_jax.lora.FROZEN``), kept as codes (`zpp_jax.frozen`).
+        base: ``zpp_jax.lora.FROZEN``), stored as `zpp_jax.frozen` says.
       batch_axis_name: the model's own name for the data-parallel devices,
         as models written for ``pmap`` have it (``BatchNorm(axis_name=
         "batch")``, ``lax.pmean(x, "batch")``): inside units its collectives
