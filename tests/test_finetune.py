@@ -125,8 +125,10 @@ def test_train_from_a_checkpoint_starts_from_its_weights(tmp_path, capfd):
 def _check_export(tmp_path, data, metrics, capfd):
     """zpp export writes the trained weights: the exported checkpoint's
     validation loss is the one the run reported at its last step; the
-    tokenizer and the end-of-sequence id come along; a non-empty output is
-    refused."""
+    tokenizer and the checkpoint's config.json come along (its 64 positions,
+    not the run's 24-token sequences; only the dtype is the export's); a
+    non-empty output is refused. zpp sample decodes past the run's
+    sequence length, within the checkpoint's positions."""
     out = tmp_path / "exported"
     run = str(tmp_path / "run")
     assert main(["export", "--ckpt-dir", run, "--hf", str(out), "--dtype", "float32"]) == 0
@@ -138,19 +140,27 @@ def _check_export(tmp_path, data, metrics, capfd):
         logits = model(jnp.asarray(batch["inputs"]))
         losses.append(float(cross_entropy(logits, batch["targets"], batch["weights"])))
     assert np.mean(losses) == pytest.approx(last["val_loss"], rel=1e-5)
-    assert json.loads((out / "config.json").read_text())["eos_token_id"] == EOS
+    exported = json.loads((out / "config.json").read_text())
+    original = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert exported["eos_token_id"] == EOS and exported["max_position_embeddings"] == 64
+    assert exported == {**original, "torch_dtype": "float32"}
     assert (out / "tokenizer.json").read_text() == (
         tmp_path / "ckpt" / "tokenizer.json"
     ).read_text()
     capfd.readouterr()
     assert main(["export", "--ckpt-dir", run, "--hf", str(out)]) == 2
     assert "is not empty: write into a new directory, or pass --overwrite" in capfd.readouterr().err
-    # zpp sample decodes what the exported model writes, greedily.
+    # zpp sample decodes what the exported model writes, greedily, past the
+    # run's 24 tokens.
     prompt = "add two and three:"
-    assert main(["sample", "--ckpt-dir", run, "--prompt", prompt, "--max-tokens", "4"]) == 0
     tokenizer = load_tokenizer(out / "tokenizer.json")
-    ids = generate(model, tokenizer.encode_text(prompt, special=True), 4, eos_id=EOS)
-    assert capfd.readouterr().out == prompt + tokenizer.decode(ids) + "\n"
+    ids = tokenizer.encode_text(prompt, special=True)
+    more = 40 - len(ids)
+    assert main(["sample", "--ckpt-dir", run, "--prompt", prompt, "--max-tokens", str(more)]) == 0
+    want = generate(hf.load(out), ids, more, eos_id=EOS)
+    assert capfd.readouterr().out == prompt + tokenizer.decode(want) + "\n"
+    assert main(["sample", "--ckpt-dir", run, "--prompt", prompt, "--max-tokens", "60"]) == 2
+    assert "more exceed the model's context of 64 positions" in capfd.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -158,6 +168,7 @@ def _check_export(tmp_path, data, metrics, capfd):
     [
         (["--model", "tiny"], "so --model would contradict it; drop it"),
         (["--arch", "llama", "--tokenizer", "byte"], "so --arch, --tokenizer would contradict"),
+        (["--seq", "65"], "checkpoint's 64 positions (max_position_embeddings): use a sequence"),
     ],
 )
 def test_flags_that_contradict_the_checkpoint_are_refused(tmp_path, capfd, flags, message):

@@ -16,11 +16,18 @@ def llama_config(
     attention window if that is shorter).
 
     Raises:
-      UsageError: `seq_len` beyond the checkpoint's attention window (its
-        sliding window, which the model does not implement).
+      UsageError: `seq_len` beyond the checkpoint's positions
+        (``max_position_embeddings``) or its attention window (its sliding
+        window, which the model does not implement).
     """
     if seq_len is None:
         seq_len = min(cfg.max_positions, cfg.sliding_window or cfg.max_positions)
+    if seq_len > cfg.max_positions:
+        raise UsageError(
+            f"sequences of {seq_len} tokens reach past this {cfg.family} checkpoint's "
+            f"{cfg.max_positions} positions (max_position_embeddings): use a sequence length "
+            f"of at most {cfg.max_positions}"
+        )
     if cfg.sliding_window is not None and seq_len > cfg.sliding_window:
         raise UsageError(
             f"this {cfg.family} checkpoint attends within a window of {cfg.sliding_window} "

@@ -39,15 +39,19 @@ def run_config_of(identity: dict) -> RunConfig:
     return RunConfig(zero=ZeroPPConfig(**zero), **given)
 
 
-def restore_run_model(ckpt_dir: str | pathlib.Path, step: int | None = None):
+def restore_run_model(
+    ckpt_dir: str | pathlib.Path, step: int | None = None, seq_len: int | None = None
+):
     """The model of checkpoint `step` (default: the newest) of the run in
     `ckpt_dir`, sharded over this process's devices as one node; with the
     `RunConfig` its identity describes and the step restored.
 
     The model is the run's Llama-family model when the directory holds its
-    config.json, else its preset (`--arch`, `--model`, the tokenizer's
-    vocabulary). Memory: the state (parameters and optimizer state), split
-    over the devices.
+    config.json (built for sequences of `seq_len`, default the run's: any
+    length within the checkpoint's positions, since rotary positions hold
+    no parameter), else its preset (`--arch`, `--model`, the tokenizer's
+    vocabulary; a GPT's learned positions are the run's length). Memory:
+    the state (parameters and optimizer state), split over the devices.
 
     Raises:
       UsageError: no such checkpoint, or a token-pipeline run.
@@ -74,7 +78,8 @@ def restore_run_model(ckpt_dir: str | pathlib.Path, step: int | None = None):
     if cfg.stages > 1:
         raise UsageError("this run is a token pipeline (--stages); its checkpoints hold stages")
     if (ckpt_dir / CONFIG_FILE).is_file():
-        model_cfg = hf.llama_config(hf.read_config(ckpt_dir), cfg.seq_len, cfg.compute_dtype)
+        length = cfg.seq_len if seq_len is None else seq_len
+        model_cfg = hf.llama_config(hf.read_config(ckpt_dir), length, cfg.compute_dtype)
         model_type = Llama
     else:
         cfg = dataclasses.replace(cfg, vocab_size=identity["tokenizer"]["vocab_size"])
@@ -148,7 +153,7 @@ def export_hf(
         from zpp_jax.sharded import unshard
 
         model = merge_lora(unshard(model))
-    extra = _token_ids(ckpt_dir / CONFIG_FILE)
+    extra = _kept_config(ckpt_dir / CONFIG_FILE, dtype)
     written = hf.save(model, out, dtype=dtype, overwrite=overwrite, extra=extra)
     tokenizer = ckpt_dir / "tokenizer.json"
     if tokenizer.is_file() and jax.process_index() == 0:
@@ -173,8 +178,13 @@ def _check_export(ckpt_dir: pathlib.Path, out: pathlib.Path, dtype: str, overwri
         )
 
 
-def _token_ids(config_file: pathlib.Path) -> dict:
-    """The special token ids of the run's config.json, carried to the export."""
+def _kept_config(config_file: pathlib.Path, dtype: str) -> dict:
+    """The run's config.json (the checkpoint's it started from), carried
+    whole into the export's: its positions and rotary scaling, token ids
+    and every field the model does not read; only the dtype is the
+    export's. The model was built from it, so the sizes agree."""
     data = json.loads(config_file.read_text())
-    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
-    return {k: data[k] for k in keys if k in data}
+    data["torch_dtype"] = dtype
+    if "dtype" in data:  # transformers 5.x's name for it
+        data["dtype"] = dtype
+    return data

@@ -107,6 +107,7 @@ def sample_run(
     bytes), stopping at its end-of-sequence id (from its config.json)."""
     from zpp_jax.data.tokenizer import ByteTokenizer, load_tokenizer
     from zpp_jax.hf.config import read_config
+    from zpp_jax.hf.model import llama_config
     from zpp_jax.recipes.export import restore_run_model
     from zpp_jax.recipes.runs import CONFIG_FILE
     from zpp_jax.sharded import unshard
@@ -114,10 +115,17 @@ def sample_run(
     directory = pathlib.Path(ckpt_dir)
     file = directory / "tokenizer.json"
     tokenizer = load_tokenizer(file) if file.is_file() else ByteTokenizer()
-    eos = None
-    if (directory / CONFIG_FILE).is_file():
-        eos = read_config(directory).eos_token_id
     ids = tokenizer.encode_text(prompt, special=True)
-    model, _, _ = restore_run_model(directory, step)
+    eos, length = None, None
+    if (directory / CONFIG_FILE).is_file():  # a Llama: any length within its positions
+        checkpoint = read_config(directory)
+        eos, context = checkpoint.eos_token_id, llama_config(checkpoint).seq_len
+        length = len(ids) + max_tokens
+        if length > context:
+            raise UsageError(
+                f"a prompt of {len(ids)} tokens and {max_tokens} more exceed the model's "
+                f"context of {context} positions: use fewer --max-tokens or a shorter prompt"
+            )
+    model, _, _ = restore_run_model(directory, step, seq_len=length)
     out = generate(unshard(model), ids, max_tokens, temperature=temperature, seed=seed, eos_id=eos)
     return tokenizer.decode(out)
