@@ -33,6 +33,17 @@ def _records(n=48):
     return out
 
 
+# What a published checkpoint has beside its weights and tokenizer.json.
+COMPANIONS = {
+    "tokenizer_config.json": {
+        "eos_token": "<eos>",
+        "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+    },
+    "special_tokens_map.json": {"eos_token": "<eos>"},
+    "generation_config.json": {"eos_token_id": EOS, "temperature": 0.6},
+}
+
+
 def write_finetune(directory, seed=0):
     """A tiny Llama checkpoint with a BPE tokenizer.json, and JSONL data."""
     text = " ".join(f"{r['prompt']}{r['completion']}" for r in _records()).encode() * 4
@@ -40,6 +51,8 @@ def write_finetune(directory, seed=0):
     cfg = LlamaConfig(vocab_size=304, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, seq_len=64)
     hf.save(Llama(cfg, nnx.Rngs(seed)), directory / "ckpt", extra={"eos_token_id": EOS})
     tokenizer.save(directory / "ckpt" / "tokenizer.json")
+    for name, content in COMPANIONS.items():
+        (directory / "ckpt" / name).write_text(json.dumps(content))
     lines = "\n".join(json.dumps(r) for r in _records())
     (directory / "data.jsonl").write_text(lines + "\n")
     return directory / "ckpt", directory / "data.jsonl"
@@ -125,7 +138,8 @@ def test_train_from_a_checkpoint_starts_from_its_weights(tmp_path, capfd):
 def _check_export(tmp_path, data, metrics, capfd):
     """zpp export writes the trained weights: the exported checkpoint's
     validation loss is the one the run reported at its last step; the
-    tokenizer and the checkpoint's config.json come along (its 64 positions,
+    tokenizer, its configuration and chat template, the generation
+    defaults and the checkpoint's config.json come along (its 64 positions,
     not the run's 24-token sequences; only the dtype is the export's); a
     non-empty output is refused. zpp sample decodes past the run's
     sequence length, within the checkpoint's positions."""
@@ -144,9 +158,8 @@ def _check_export(tmp_path, data, metrics, capfd):
     original = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert exported["eos_token_id"] == EOS and exported["max_position_embeddings"] == 64
     assert exported == {**original, "torch_dtype": "float32"}
-    assert (out / "tokenizer.json").read_text() == (
-        tmp_path / "ckpt" / "tokenizer.json"
-    ).read_text()
+    for name in ("tokenizer.json", *COMPANIONS):
+        assert (out / name).read_text() == (tmp_path / "ckpt" / name).read_text(), name
     capfd.readouterr()
     assert main(["export", "--ckpt-dir", run, "--hf", str(out)]) == 2
     assert "is not empty: write into a new directory, or pass --overwrite" in capfd.readouterr().err

@@ -23,7 +23,7 @@ import shutil
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.recipes.config import RunConfig
-from zpp_jax.recipes.runs import CONFIG_FILE
+from zpp_jax.recipes.runs import COMPANION_FILES, CONFIG_FILE
 
 
 def run_config_of(identity: dict) -> RunConfig:
@@ -132,10 +132,12 @@ def export_hf(
 ) -> list[pathlib.Path]:
     """Write checkpoint `step` (default: the newest) of the run in
     `ckpt_dir` as a Hugging Face checkpoint directory `out`, its weights in
-    `dtype`; returns the files written. A LoRA run's adapters are merged
-    into their base kernels: each is the frozen base as the run computed
-    with it (decoded from its codes) plus ``a @ b``; its memory is then the
-    whole model on each device.
+    `dtype`; returns the files written, with the run's tokenizer.json and
+    the initial checkpoint's other files (`COMPANION_FILES`: its chat
+    template, special tokens, generation defaults). A LoRA run's adapters
+    are merged into their base kernels: each is the frozen base as the run
+    computed with it (decoded from its codes) plus ``a @ b``; its memory is
+    then the whole model on each device.
 
     Raises:
       UsageError: `out` not empty (without `overwrite`), no checkpoint, a
@@ -155,10 +157,11 @@ def export_hf(
         model = merge_lora(unshard(model))
     extra = _kept_config(ckpt_dir / CONFIG_FILE, dtype)
     written = hf.save(model, out, dtype=dtype, overwrite=overwrite, extra=extra)
-    tokenizer = ckpt_dir / "tokenizer.json"
-    if tokenizer.is_file() and jax.process_index() == 0:
-        shutil.copyfile(tokenizer, out / "tokenizer.json")
-        written.append(out / "tokenizer.json")
+    if jax.process_index() == 0:
+        for name in ("tokenizer.json", *COMPANION_FILES):
+            if (ckpt_dir / name).is_file():
+                shutil.copyfile(ckpt_dir / name, out / name)
+                written.append(out / name)
     return written
 
 

@@ -54,6 +54,16 @@ from zpp_jax.errors import (
 # the step count (a resumed run may be extended; the learning-rate schedule
 # follows the new count).
 CONFIG_FILE = "config.json"  # in --ckpt-dir: the model's Hugging Face config
+# The files beside an --init checkpoint's weights that the model does not
+# read but its users do (the chat template, special tokens, generation
+# defaults): kept in --ckpt-dir as they are, and exported with the weights.
+COMPANION_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 _NOT_IDENTITY = frozenset(
     {
@@ -81,14 +91,18 @@ _NOT_IDENTITY = frozenset(
 
 def save_model_config(cfg: Any, model_cfg: Any) -> None:
     """Keep the model's config.json in the run's checkpoint directory (for
-    `export_hf`): the initial checkpoint's, or, for a Llama preset, the one
-    `zpp_jax.hf.save` would write. A GPT has none."""
+    `export_hf`): the initial checkpoint's, with the `COMPANION_FILES` it
+    has, or, for a Llama preset, the one `zpp_jax.hf.save` would write. A
+    GPT has none."""
     if not cfg.ckpt_dir or (cfg.init is None and cfg.arch != "llama"):
         return
     target = pathlib.Path(cfg.ckpt_dir) / CONFIG_FILE
     target.parent.mkdir(parents=True, exist_ok=True)
     if cfg.init is not None:
         shutil.copyfile(pathlib.Path(cfg.init) / CONFIG_FILE, target)
+        for name in COMPANION_FILES:
+            if (pathlib.Path(cfg.init) / name).is_file():
+                shutil.copyfile(pathlib.Path(cfg.init) / name, target.parent / name)
     else:
         from zpp_jax.hf.checkpoint import checkpoint_config
 
