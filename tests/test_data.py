@@ -272,3 +272,17 @@ def test_data_that_is_not_text_is_named_with_its_offset(tmp_path):
     text.write_text("na\u00efve caf\u00e9\n" * 10)
     corpus.load(RunConfig(data=str(text), progress=False), warned.append)
     assert warned == []
+
+
+def test_a_bpe_with_an_end_of_sequence_token_keeps_it_whole():
+    """`train_bpe(..., special_tokens=["<eos>"])`: "<eos>" is id 0, one id
+    wherever it appears, stands for no bytes, and the other ids are the
+    same tokens as without it, one further on."""
+    text = b"add two and three: 5 " * 20
+    plain, with_eos = train_bpe(text, 280), train_bpe(text, 281, special_tokens=["<eos>"])
+    ids = with_eos.encode_text("add two<eos>add", special=True)
+    assert list(ids).count(0) == 1 and with_eos.token_bytes[0] == 0
+    assert with_eos.decode(ids) == "add twoadd"
+    np.testing.assert_array_equal(
+        with_eos.encode_text("add three"), plain.encode_text("add three") + 1
+    )

@@ -235,6 +235,8 @@ def test_a_lora_run_trains_adapters_and_exports_them_merged(tmp_path, capfd):
     for name in untouched:
         np.testing.assert_array_equal(exported[name], base[name], err_msg=name)
     capfd.readouterr()
+    assert main(["export", "--ckpt-dir", run, "--hf", str(tmp_path / "x"), "--step", "7"]) == 2
+    assert "no checkpoint 7; it holds checkpoints [6]" in capfd.readouterr().err
     assert main(["train", "--init", str(ckpt), "--data", str(data), "--lora", "0"]) == 2
     assert "--lora: must be an int from 1" in capfd.readouterr().err
     assert main(["train", "--init", str(ckpt), "--data", str(data), "--lora-targets", "q"]) == 2
@@ -278,3 +280,40 @@ def _refusal(ckpt, data, config, capfd) -> str:
     (ckpt / "config.json").write_text(json.dumps(config))
     main(["train", "--init", str(ckpt), "--data", str(data)])
     return capfd.readouterr().err
+
+
+def test_lora_and_export_mistakes_are_one_line_each(tmp_path, capfd):
+    """Each mistake exits 2 with one line that names it and the fix, and
+    nothing is written."""
+    ckpt, data = write_finetune(tmp_path)
+    base = ["train", "--init", str(ckpt), "--data", str(data), "--ckpt-dir", str(tmp_path / "r")]
+    cases = [
+        ([*base, "--frozen-bits", "4"], "--frozen-bits sets how the frozen kernels --lora adapts"),
+        (
+            [*base, "--lora", "1000"],
+            "LoRA rank 1000 is more than the 16 features of the narrowest layer it adapts",
+        ),
+        (
+            [*base, "--lora", "4", "--lora-targets", "foo"],
+            "no linear layer named foo in Llama: name the model's nnx.Linear attributes to "
+            "adapt with --lora-targets (it has down, gate, k, lm_head, o, q, up, v)",
+        ),
+        (
+            ["train", "--init", str(ckpt / "model.safetensors"), "--data", str(data)],
+            "is a file of the checkpoint, not its config.json: pass the checkpoint's directory",
+        ),
+        (
+            ["export", "--ckpt-dir", str(tmp_path / "missing"), "--hf", str(tmp_path / "o")],
+            f"--ckpt-dir {tmp_path / 'missing'} does not exist",
+        ),
+        (
+            ["sample", "--ckpt-dir", str(tmp_path / "missing"), "--prompt", "a"],
+            f"--ckpt-dir {tmp_path / 'missing'} does not exist",
+        ),
+    ]
+    for args, message in cases:
+        code = main(args)
+        err = capfd.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, (args, err)
+    assert not (tmp_path / "r").exists() and not (tmp_path / "missing").exists()
+    assert not (tmp_path / "o").exists()

@@ -4,6 +4,7 @@ dataclass, whose fields also define the command line's technique flags
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from collections.abc import Callable
@@ -22,6 +23,16 @@ _WIRE_DTYPES = ("bfloat16", "float32", "float16")
 _MAX_BLOCK = 1 << 24
 BLOCK = count(1, _MAX_BLOCK, "elements per block")
 TECHNIQUES = "ZeRO++ techniques (all on by default)"
+
+
+def bits_or_none(text: str) -> int | None:
+    """A command line's bits: a number, or ``none`` (any case) for None."""
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use 8, 4 or none") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,9 +158,9 @@ class ZeroPPConfig:
     )
     frozen_bits: int | None = option(
         8,
-        "bits per code of frozen weights (a LoRA's base, zpp.shard(freeze=)): they are stored "
-        "and gathered as codes; none: kept and gathered in their own dtype",
-        type=lambda text: None if text == "none" else int(text),
+        "bits per code of the frozen kernels a LoRA adapts (zpp.shard(freeze=)): they are "
+        "stored and gathered as codes; none: kept and gathered in their own dtype",
+        type=bits_or_none,
         choices=(8, 4, None),
         group=TECHNIQUES,
     )

@@ -92,6 +92,9 @@ def _argparse_keywords(field: dataclasses.Field, flag: Flag, defaults: Any) -> d
     if flag.choices is not None:
         keywords["choices"] = flag.choices
         del keywords["metavar"]
+        if None in flag.choices:  # spelled as the command line takes it
+            shown = ",".join("none" if c is None else str(c) for c in flag.choices)
+            keywords["metavar"] = "{" + shown + "}"
     shown = "" if default is None else f" (default {default})"
     keywords["help"] = (flag.help + shown).replace("%", "%%")
     return keywords

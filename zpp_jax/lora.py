@@ -40,33 +40,46 @@ def add_lora(
     drawn from `seed`, `b` is zero.
 
     Raises:
-      UsageError: a rank that is not a positive int, or no linear layer of
-        those names.
+      UsageError: a rank that is not a positive int or is more than a
+        layer's features, or no linear layer of those names (the error
+        lists the names there are).
     """
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise UsageError(f"LoRA rank {rank!r}: use a positive number of dimensions, such as 8")
-    rngs = nnx.Rngs(seed)
-    wrapped = 0
-    for _, module in list(nnx.iter_modules(model)):
-        for name in targets:
-            base = getattr(module, name, None)
-            if isinstance(base, nnx.Linear):
-                lora = nnx.LoRA(
-                    base.in_features,
-                    rank,
-                    base.out_features,
-                    base_module=base,
-                    dtype=base.dtype,
-                    rngs=rngs,
-                )
-                setattr(module, name, lora)
-                wrapped += 1
-    if not wrapped:
+    layers = _linear_layers(model, targets)
+    if not layers:
+        names = sorted({name for _, name, _ in _linear_layers(model, None)})
         raise UsageError(
             f"no linear layer named {', '.join(targets)} in {type(model).__name__}: name the "
-            "model's nnx.Linear attributes to adapt with --lora-targets"
+            "model's nnx.Linear attributes to adapt with --lora-targets (it has "
+            f"{', '.join(names) if names else 'none'})"
         )
+    narrowest = min(min(b.in_features, b.out_features) for _, _, b in layers)
+    if rank > narrowest:
+        raise UsageError(
+            f"LoRA rank {rank} is more than the {narrowest} features of the narrowest layer it "
+            f"adapts (a rank of {narrowest} is already a full-rank update): use at most {narrowest}"
+        )
+    rngs = nnx.Rngs(seed)
+    for module, name, base in layers:
+        lora = nnx.LoRA(
+            base.in_features, rank, base.out_features, base_module=base, dtype=base.dtype, rngs=rngs
+        )
+        setattr(module, name, lora)
     return model
+
+
+def _linear_layers(model: nnx.Module, targets: Sequence[str] | None) -> list:
+    """(module, attribute name, layer) of each `nnx.Linear` attribute of
+    `model`'s modules named in `targets` (None: every one)."""
+    found = []
+    for _, module in list(nnx.iter_modules(model)):
+        names = list(vars(module)) if targets is None else targets
+        for name in names:
+            value = getattr(module, name, None)
+            if isinstance(value, nnx.Linear):
+                found.append((module, name, value))
+    return found
 
 
 def merge_lora(model: nnx.Module) -> nnx.Module:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -119,9 +120,11 @@ class HFTokenizer(Tokenizer):
         pathlib.Path(path).write_text(self.to_json())
 
 
-def train_bpe(text: bytes, vocab_size: int) -> HFTokenizer:
+def train_bpe(text: bytes, vocab_size: int, special_tokens: Sequence[str] = ()) -> HFTokenizer:
     """A byte-level BPE of `vocab_size` ids (the 256 bytes and merges)
-    trained on `text`: deterministic, local."""
+    trained on `text`: deterministic, local. `special_tokens` (such as an
+    end of sequence, ``"<eos>"``) are ids 0, 1, ... (among the
+    `vocab_size`): never split, never a merge."""
     from tokenizers import Tokenizer as _Tok
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -140,6 +143,7 @@ def train_bpe(text: bytes, vocab_size: int) -> HFTokenizer:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=list(special_tokens),
         show_progress=False,
     )
     tok.train_from_iterator((p.decode("utf-8", errors="replace") for p in _pieces(text)), trainer)

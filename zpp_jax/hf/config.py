@@ -73,6 +73,11 @@ def read_config(path: str | pathlib.Path) -> CheckpointConfig:
     """
     path = pathlib.Path(path)
     file = path / "config.json" if path.is_dir() else path
+    if file.is_file() and file.suffix != ".json":
+        raise UsageError(
+            f"{file} is a file of the checkpoint, not its config.json: pass the checkpoint's "
+            f"directory ({file.parent})"
+        )
     if not file.is_file():
         raise UsageError(f"{file} does not exist: a Hugging Face checkpoint has a config.json")
     try:

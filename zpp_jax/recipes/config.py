@@ -157,6 +157,11 @@ class RunConfig:
             raise UsageError("checkpointing and --resume need --ckpt-dir")
         if self.lora is None and self.lora_targets != ",".join(LORA_TARGETS):
             raise UsageError("--lora-targets names the layers --lora adapts: pass --lora RANK")
+        if self.lora is None and self.zero.frozen_bits != ZeroPPConfig().frozen_bits:
+            raise UsageError(
+                "--frozen-bits sets how the frozen kernels --lora adapts are stored; without "
+                "--lora every weight trains: pass --lora RANK, or drop --frozen-bits"
+            )
         if self.lora is not None and self.stages > 1:
             raise UsageError(
                 "--lora trains through zpp.shard; the token pipeline (--stages) "

@@ -67,12 +67,15 @@ def restore_run_model(
     from zpp_jax.train import Trainer
 
     ckpt_dir = pathlib.Path(ckpt_dir)
+    check_run_directory(ckpt_dir)
     check_directory(ckpt_dir)
     checkpointer = Checkpointer(ckpt_dir)
     step = checkpointer.latest_step() if step is None else step
     if step is None or step not in checkpointer.all_steps():
         which = "" if step is None else f" {step}"
-        raise UsageError(f"--ckpt-dir {ckpt_dir}: no checkpoint{which}")
+        steps = checkpointer.all_steps()
+        there = f"it holds checkpoints {sorted(steps)}" if steps else "it holds none"
+        raise UsageError(f"--ckpt-dir {ckpt_dir}: no checkpoint{which}; {there}")
     identity = checkpointer.read_meta(step)["identity"]
     cfg = run_config_of(identity)
     if cfg.stages > 1:
@@ -94,6 +97,14 @@ def restore_run_model(
     trainer = Trainer(nnx.eval_shape(make), make_optimizer(cfg), mesh, cfg.zero, freeze=freeze)
     state, _ = checkpointer.restore(trainer.abstract_state(), step)
     return trainer.model(state), cfg, step
+
+
+def check_run_directory(ckpt_dir: pathlib.Path) -> None:
+    """Raise UsageError unless `ckpt_dir` is a directory (a run's)."""
+    if not ckpt_dir.exists():
+        raise UsageError(f"--ckpt-dir {ckpt_dir} does not exist")
+    if not ckpt_dir.is_dir():
+        raise UsageError(f"--ckpt-dir {ckpt_dir} is a file: pass the run's checkpoint directory")
 
 
 def _restore_mesh(ckpt_dir: pathlib.Path, step: int, cfg: RunConfig):
@@ -170,6 +181,7 @@ def _check_export(ckpt_dir: pathlib.Path, out: pathlib.Path, dtype: str, overwri
 
     if dtype not in DTYPES:
         raise UsageError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}")
+    check_run_directory(ckpt_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise UsageError(
             f"--hf {out} is not empty: write into a new directory, or pass --overwrite"

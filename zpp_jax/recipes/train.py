@@ -216,8 +216,9 @@ class Job:
 
 def check_settings(cfg: RunConfig) -> None:
     """What can be checked of a run before any file is touched: its paths
-    (`runs.check_paths`), the model preset, the tokens of a step, and the
-    split of the layers into stages.
+    (`runs.check_paths`), the model preset, the tokens of a step, the
+    split of the layers into stages, and LoRA's rank and targets (on the
+    model's shapes).
 
     Raises:
       UsageError: naming the setting and what would work.
@@ -236,6 +237,11 @@ def check_settings(cfg: RunConfig) -> None:
             "layers; choose a number of stages that divides the layer count"
         )
     _check_host_memory(cfg, model_cfg.seq_len)
+    if cfg.lora is not None:
+        from zpp_jax.lora import add_lora
+
+        abstract = nnx.eval_shape(lambda: model_class(cfg)(model_cfg, nnx.Rngs(0)))
+        add_lora(abstract, cfg.lora, lora_targets(cfg), seed=cfg.seed)
 
 
 def _check_host_memory(cfg: RunConfig, seq_len: int) -> None:
