@@ -1,5 +1,5 @@
-"""ZeRO-3 and ZeRO++ against the limit of no communication, compiled for
-H200s: each step's XLA estimate, its exposed communication, the kernels
+"""ZeRO-3, ZeRO++ and plain `jax.jit` against the limit of no communication,
+compiled for H200s: each step's XLA estimate, its exposed communication, the kernels
 alone, each link's busy time, MFU, memory per GPU, and the step over the
 no-communication step (`zpp_jax.baseline.NoCommunication`: the same model
 and per-device batch, one device's program).
@@ -10,6 +10,7 @@ extra and ``ZPP_GPU_TARGET_CONFIG``); the times are XLA's estimates, not
 measurements. Writes JSON, a PNG and a results page.
 
     python benchmarks/gpu_limit.py --out docs/results/DATE-h200-limit [--settings ...]
+        [--configs zero3 zeropp jit jit_fsdp nocomm]
 """
 
 from __future__ import annotations
@@ -38,8 +39,15 @@ SETTINGS = {
     "Llama 70B, 4 x 8": [*LLAMA70, "--batch", "32", "--nodes", "4", "--local", "8"],
     "Llama 70B, 8 x 8": [*LLAMA70, "--batch", "64", "--nodes", "8", "--local", "8"],
 }
-CONFIGS = ("zero3", "zeropp", "nocomm")
-LABELS = {"zero3": "ZeRO-3 (bf16 wire)", "zeropp": "ZeRO++", "nocomm": "no communication"}
+# `zpp comm --configs` names; "nocomm" is the limit, and always compiled.
+CONFIGS = ("zero3", "zeropp", "jit", "jit_fsdp", "nocomm")
+LABELS = {
+    "zero3": "ZeRO-3 (bf16 wire)",
+    "zeropp": "ZeRO++",
+    "jit": "jax.jit, XLA-partitioned",
+    "jit_fsdp": "jax.jit, FSDP constraints",
+    "nocomm": "no communication",
+}
 H200_MEMORY_GB = 141
 
 
@@ -49,10 +57,10 @@ H200_MEMORY_GB = 141
 _XLA_FLAGS = "--xla_gpu_experimental_use_collective_kernels=-ALL_REDUCE"
 
 
-def compile_reports(flags: list[str]) -> tuple[dict, float]:
+def compile_reports(flags: list[str], configs: tuple[str, ...]) -> tuple[dict, float]:
     """(`zpp comm --target h200 --json` per config, seconds it took)."""
     command = [sys.executable, "-m", "zpp_jax", "comm", "--target", "h200", "--json"]
-    command += [*flags, "--compute-dtype", "bfloat16", "--configs", *CONFIGS]
+    command += [*flags, "--compute-dtype", "bfloat16", "--configs", *configs]
     xla_flags = f"{os.environ.get('XLA_FLAGS', '')} {_XLA_FLAGS}".strip()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags}
     start = time.perf_counter()
@@ -76,24 +84,29 @@ def rows(results: dict) -> list[dict]:
     out = []
     for setting, (reports, _) in results.items():
         limit = reports["nocomm"]["estimate"]["step_us"]
-        for config in CONFIGS:
-            r, est = reports[config], reports[config]["estimate"]
-            out.append(
-                {
-                    "setting": setting,
-                    "config": config,
-                    "step_ms": est["step_us"] / 1e3,
-                    "exposed_ms": sum(est["exposed_us"].values()) / 1e3,
-                    "compute_ms": est["compute_us"] / 1e3,
-                    "nic_busy_ms": est["link_busy_us"].get("nic", 0.0) / 1e3,
-                    "nvlink_busy_ms": est["link_busy_us"].get("nvlink", 0.0) / 1e3,
-                    "mfu": r["mfu"],
-                    "over_limit": est["step_us"] / limit,
-                    "peak_gb": r["peak_memory_bytes"] / 1e9,
-                    "state_gb": r["state_bytes"] / 1e9,
-                }
-            )
+        for config, r in reports.items():
+            row = {"setting": setting, "config": config}
+            row |= {"peak_gb": r["peak_memory_bytes"] / 1e9, "state_gb": r["state_bytes"] / 1e9}
+            out.append(row | _estimated(r, limit))
     return out
+
+
+def _estimated(report: dict, limit_us: float) -> dict:
+    """The step's estimated times; None each where XLA gives no estimate
+    (a program with a loop: plain jit of a scanned model)."""
+    est = report["estimate"]
+    if est is None:
+        keys = ("step_ms", "exposed_ms", "compute_ms", "nic_busy_ms", "nvlink_busy_ms")
+        return dict.fromkeys((*keys, "mfu", "over_limit"))
+    return {
+        "step_ms": est["step_us"] / 1e3,
+        "exposed_ms": sum(est["exposed_us"].values()) / 1e3,
+        "compute_ms": est["compute_us"] / 1e3,
+        "nic_busy_ms": est["link_busy_us"].get("nic", 0.0) / 1e3,
+        "nvlink_busy_ms": est["link_busy_us"].get("nvlink", 0.0) / 1e3,
+        "mfu": report["mfu"],
+        "over_limit": est["step_us"] / limit_us,
+    }
 
 
 def table(data: list[dict]) -> str:
@@ -104,13 +117,13 @@ def table(data: list[dict]) -> str:
         [
             r["setting"],
             LABELS[r["config"]],
-            f"{r['step_ms']:.1f}",
-            f"{r['exposed_ms']:.2f}",
-            f"{r['compute_ms']:.1f}",
-            f"{r['nic_busy_ms']:.1f}",
-            f"{r['nvlink_busy_ms']:.1f}",
-            f"{r['mfu']:.1%}",
-            f"{r['over_limit']:.3f}",
+            _shown(r["step_ms"], ".1f"),
+            _shown(r["exposed_ms"], ".2f"),
+            _shown(r["compute_ms"], ".1f"),
+            _shown(r["nic_busy_ms"], ".1f"),
+            _shown(r["nvlink_busy_ms"], ".1f"),
+            _shown(r["mfu"], ".1%"),
+            _shown(r["over_limit"], ".3f"),
             f"{r['peak_gb']:.1f}",
             f"{r['state_gb']:.1f}",
         ]
@@ -119,19 +132,27 @@ def table(data: list[dict]) -> str:
     return pages.table(header, body)
 
 
+def _shown(value: float | None, spec: str) -> str:
+    return "none" if value is None else format(value, spec)
+
+
 def plot(data: list[dict], path: pathlib.Path) -> None:
     import numpy as np
 
     settings = list(dict.fromkeys(r["setting"] for r in data))
+    configs = [c for c in dict.fromkeys(r["config"] for r in data) if c != "nocomm"]
     fig, ax = pages.figure(figsize=(10, 3.8))
-    width = 0.8 / len(CONFIGS)
-    for i, config in enumerate(CONFIGS):
-        x = np.arange(len(settings)) + (i - (len(CONFIGS) - 1) / 2) * width
+    width = 0.8 / len(configs)
+    for i, config in enumerate(configs):
+        x = np.arange(len(settings)) + (i - (len(configs) - 1) / 2) * width
         ratio = [
             next(r["over_limit"] for r in data if r["setting"] == s and r["config"] == config)
             for s in settings
         ]
-        ax.bar(x, ratio, width, label=LABELS[config])
+        ax.bar(x, [np.nan if r is None else r for r in ratio], width, label=LABELS[config])
+        for xi, r in zip(x, ratio, strict=True):
+            if r is None:  # XLA gives no estimate of a program with a loop
+                ax.text(xi, 1.0, "no estimate\n(a loop)", ha="center", va="bottom", fontsize=6)
     ax.axhline(1.05, color="black", lw=0.6, ls="--")
     ax.set_xticks(np.arange(len(settings)), settings, fontsize=7, rotation=15)
     ax.set_ylabel("step / no-communication step")
@@ -144,8 +165,10 @@ def plot(data: list[dict], path: pathlib.Path) -> None:
 
 def page(data: list[dict], results: dict, made: dict) -> str:
     costs = ", ".join(f"{s}: {seconds / 60:.0f} min" for s, (_, seconds) in results.items())
+    configs = dict.fromkeys(r["config"] for r in data)
+    names = "ZeRO-3, ZeRO++ and plain `jax.jit`" if "jit" in configs else "ZeRO-3 and ZeRO++"
     return (
-        "# ZeRO-3 and ZeRO++ against the no-communication limit, compiled for H200s: "
+        f"# {names} against the no-communication limit, compiled for H200s: "
         "XLA's estimates\n\n"
         f"Made by `{made['command']}` with the gpu-aot extra. "
         f"{pages.machine_line(made['machine'])}\n\n"
@@ -158,7 +181,9 @@ def page(data: list[dict], results: dict, made: dict) -> str:
         f"(`XLA_FLAGS={_XLA_FLAGS}`: that kernel does not compile for 64 GPUs). "
         "The no-communication step is `NoCommunication`: the same model and per-GPU batch "
         "with nothing exchanged, one device's program (its optimizer updates the whole "
-        "model, where the sharded steps update a GPU's share). MFU is one GPU's model "
+        "model, where the sharded steps update a GPU's share). Plain `jax.jit` "
+        "(`zpp_jax.baseline.JitFSDP`) appears as XLA partitions it, and with its "
+        "activations constrained to the batch axes as FSDP is written. MFU is one GPU's model "
         "FLOPs (three times the forward pass's matrix multiplies, attention's included) "
         "over the step x 989 TFLOP/s, the H200's dense bf16 peak from the target "
         "description. Peak is `memory_analysis()`'s arguments + outputs + temporaries - "
@@ -166,7 +191,8 @@ def page(data: list[dict], results: dict, made: dict) -> str:
         "[gpu_limit.json](gpu_limit.json).\n\n"
         + table(data)
         + "\n\n![step over the limit](gpu_limit.png)\n\n"
-        f"Compile time on this machine, per setting (three configurations): {costs}.\n"
+        f"Compile time on this machine, per setting ({len(configs)} configurations): "
+        f"{costs}.\n"
     )
 
 
@@ -177,13 +203,29 @@ def main() -> None:
     parser.add_argument(
         "--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), metavar="NAME"
     )
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=["zero3", "zeropp"],
+        choices=[c for c in CONFIGS if c != "nocomm"],
+        help="compiled beside the limit (nocomm)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="settings compiled at once")
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="draw the page and the plot again from OUT/gpu_limit.json, compiling nothing",
+    )
     args = parser.parse_args()
+    if args.render:
+        render(args.out)
+        return
+    configs = (*args.configs, "nocomm")
     pages.prepare(args.out, "gpu_limit", args.overwrite)
     # Settings compile side by side, `--jobs` at a time (XLA compiles a
     # program on about one core).
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        each = list(pool.map(compile_reports, [SETTINGS[s] for s in args.settings]))
+        each = list(pool.map(lambda s: compile_reports(SETTINGS[s], configs), args.settings))
     results = dict(zip(args.settings, each, strict=True))
     data = rows(results)
     made = {"command": pages.command(), "machine": pages.machine()}
@@ -191,6 +233,14 @@ def main() -> None:
     pages.write_json(args.out, "gpu_limit", {**made, "rows": data, "compiled": compiled})
     plot(data, args.out / "gpu_limit.png")
     pages.write_page(args.out, page(data, results, made))
+
+
+def render(out: pathlib.Path) -> None:
+    """The page and the plot of `out/gpu_limit.json`, as its run wrote them."""
+    saved = json.loads((out / "gpu_limit.json").read_text())
+    results = {s: (c["reports"], c["compile_s"]) for s, c in saved["compiled"].items()}
+    plot(saved["rows"], out / "gpu_limit.png")
+    pages.write_page(out, page(saved["rows"], results, saved))
 
 
 if __name__ == "__main__":
