@@ -12,6 +12,7 @@ from safetensors.numpy import load_file
 
 from zpp_jax import hf
 from zpp_jax.cli import main
+from zpp_jax.data.chat import load_chat_template
 from zpp_jax.data.examples import ExampleDataset, encode_records, read_records
 from zpp_jax.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 from zpp_jax.errors import UsageError
@@ -317,3 +318,90 @@ def test_lora_and_export_mistakes_are_one_line_each(tmp_path, capfd):
         assert code == 2 and message in err and err.count("\n") == 1, (args, err)
     assert not (tmp_path / "r").exists() and not (tmp_path / "missing").exists()
     assert not (tmp_path / "o").exists()
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+    "\n\n{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+CHAT_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+def _conversation(a, b):
+    return [
+        {"role": "system", "content": "You add numbers."},
+        {"role": "user", "content": f"add {WORDS[a]} and {WORDS[b]}"},
+        {"role": "assistant", "content": f"{a + b}"},
+        {"role": "user", "content": "and twice that?"},
+        {"role": "assistant", "content": f"{2 * (a + b)}"},
+    ]
+
+
+def write_chat(directory):
+    """A tiny Llama checkpoint with a Llama-3-style chat template and BPE
+    (its special tokens ids 0-3), and conversations as JSONL."""
+    conversations = [_conversation(i % 10, (3 * i) % 10) for i in range(24)]
+    text = " ".join(m["content"] for c in conversations for m in c).encode() * 4
+    tokenizer = train_bpe(text, 300, special_tokens=CHAT_SPECIALS)
+    cfg = LlamaConfig(vocab_size=304, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, seq_len=64)
+    ckpt = directory / "chat-ckpt"
+    hf.save(Llama(cfg, nnx.Rngs(0)), ckpt, extra={"bos_token_id": 0, "eos_token_id": 3})
+    tokenizer.save(ckpt / "tokenizer.json")
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    config["chat_template"] = CHAT_TEMPLATE
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    data = directory / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    return ckpt, data, tokenizer
+
+
+def test_a_conversation_learns_the_assistant_turns_alone(tmp_path):
+    """A {"messages": ...} record is its chat template's text, token for
+    token, and the tokens learned are exactly each assistant turn (its
+    content and end-of-turn token)."""
+    ckpt, _, tokenizer = write_chat(tmp_path)
+    chat = load_chat_template(ckpt)
+    messages = _conversation(2, 3)
+    ((ids, learned),) = encode_records([{"messages": messages}], tokenizer, 3, chat)
+    assert tokenizer.decode(ids) == "".join(
+        f"{m['role']}\n\n{m['content']}" for m in messages
+    )  # the specials are dropped in decoding
+    assert ids[0] == 0 and list(ids).count(3) == len(messages)  # BOS, and one <|eot_id|> a turn
+    runs = np.split(np.arange(len(ids)), np.flatnonzero(np.diff(learned.astype(int))) + 1)
+    taught = [r for r in runs if learned[r[0]]]
+    assert [tokenizer.decode(ids[r]) for r in taught] == ["5", "10"]
+    assert all(ids[r[-1]] == 3 for r in taught)  # each ends with its <|eot_id|>
+
+
+def test_chat_records_without_a_template_or_with_bad_messages_are_one_line(tmp_path, capfd):
+    ckpt, data, _ = write_chat(tmp_path)
+    (ckpt / "tokenizer_config.json").unlink()
+    base = ["train", "--init", str(ckpt), "--seq", "48", "--steps", "1"]
+    assert main([*base, "--data", str(data)]) == 2
+    err = capfd.readouterr().err
+    assert "rendered with the checkpoint's chat template: --init a checkpoint whose" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": 3}]}) + "\n")
+    assert main([*base, "--data", str(bad)]) == 2
+    err = capfd.readouterr().err
+    assert f"{bad}:1: message 0 must be" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.slow  # a training run
+def test_zpp_train_fine_tunes_on_conversations(tmp_path):
+    """zpp train --init DIR --data chat.jsonl trains (the loss falls) and
+    its first step's loss is the checkpoint's own on the assistant tokens."""
+    ckpt, data, _ = write_chat(tmp_path)
+    metrics = tmp_path / "m.jsonl"
+    args = ["train", "--init", str(ckpt), "--data", str(data), "--quiet", "--seq", "48"]
+    args += ["--batch", "8", "--steps", "6", "--eval-every", "0", "--lr", "1e-2", "--warmup", "1"]
+    args += ["--zero3", "--comm-dtype", "float32", "--compute-dtype", "float32"]
+    assert main([*args, "--metrics", str(metrics)]) == 0
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    cfg = RunConfig(init=str(ckpt), data=str(data), seq_len=48, batch=8)
+    batch = run_corpus.load(cfg).dataset(48, 304).batch("train", 0, 8, seed=0)
+    model = hf.load(ckpt, seq_len=48)
+    want = cross_entropy(model(jnp.asarray(batch["inputs"])), batch["targets"], batch["weights"])
+    assert losses[0] == pytest.approx(float(want), rel=1e-5)
+    assert losses[-1] < losses[0]

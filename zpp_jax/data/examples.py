@@ -2,11 +2,15 @@
 the loss on the tokens the model should learn to write.
 
 A record is ``{"prompt": ..., "completion": ...}`` (the loss on the
-completion's tokens only) or ``{"text": ...}`` (the loss on every token).
-The prompt, or the text, is encoded with the tokenizer's sequence tokens
-(a BOS, where the tokenizer adds one); the completion without, followed by
-the end-of-sequence id when there is one. Each example is one row of a
-batch: cut to ``seq_len + 1`` tokens, or padded with weight 0.
+completion's tokens only), ``{"text": ...}`` (the loss on every token) or
+``{"messages": [{"role": ..., "content": ...}, ...]}`` (a conversation,
+rendered with the checkpoint's chat template: the loss on the assistant's
+turns; `zpp_jax.data.chat`). The prompt, or the text, is encoded with the
+tokenizer's sequence tokens (a BOS, where the tokenizer adds one); the
+completion without, followed by the end-of-sequence id when there is one;
+a conversation as its template writes it, special tokens included. Each
+example is one row of a batch: cut to ``seq_len + 1`` tokens, or padded
+with weight 0.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import pathlib
 
 import numpy as np
 
+from zpp_jax.data.chat import ChatTemplate
 from zpp_jax.errors import UsageError, count
 
 
@@ -43,25 +48,62 @@ def read_records(files: list[pathlib.Path]) -> list[dict]:
 
 
 def _checked(record, where: str) -> dict:
-    kinds = ({"prompt", "completion"}, {"text"})
+    kinds = ({"prompt", "completion"}, {"text"}, {"messages"})
     if not isinstance(record, dict) or set(record) not in kinds:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise UsageError(
-            f'{where}: a record is {{"prompt": ..., "completion": ...}} or '
-            f'{{"text": ...}}, got {keys}'
+            f'{where}: a record is {{"prompt": ..., "completion": ...}}, {{"text": ...}} '
+            f'or {{"messages": [{{"role": ..., "content": ...}}, ...]}}, got {keys}'
         )
-    if not all(isinstance(v, str) for v in record.values()):
+    if "messages" in record:
+        _check_messages(record["messages"], where)
+    elif not all(isinstance(v, str) for v in record.values()):
         raise UsageError(f"{where}: the record's values must be strings")
     return record
 
 
-def encode_records(records: list[dict], tokenizer, eos_id: int | None) -> list[tuple]:
+def _check_messages(messages, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise UsageError(f'{where}: "messages" must be a non-empty list of messages')
+    for i, m in enumerate(messages):
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+        ):
+            raise UsageError(
+                f'{where}: message {i} must be {{"role": "...", "content": "..."}} with '
+                f"string values, got {m!r}"[:300]
+            )
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UsageError(f'{where}: no "assistant" message, so nothing to learn')
+
+
+def record_text(record: dict) -> str:
+    """The text a record holds (a conversation's contents, one per line):
+    what a tokenizer trained on the records sees."""
+    if "messages" in record:
+        return "\n".join(m["content"] for m in record["messages"])
+    return "\n".join(record.values())
+
+
+def encode_records(
+    records: list[dict], tokenizer, eos_id: int | None, chat: ChatTemplate | None = None
+) -> list[tuple]:
     """Each record as (ids, learned): int32 token ids and a bool per id,
-    True where the model should learn to write it."""
+    True where the model should learn to write it. Conversations need
+    `chat`, the checkpoint's template; each of its pieces is encoded on
+    its own (`ChatTemplate.pieces`).
+
+    Raises:
+      UsageError: a conversation without a chat template.
+    """
     eos = np.asarray([] if eos_id is None else [eos_id], np.int32)
     out = []
     for record in records:
-        if "text" in record:
+        if "messages" in record:
+            ids, learned = _encoded_chat(record["messages"], tokenizer, chat)
+        elif "text" in record:
             ids = np.concatenate([tokenizer.encode_text(record["text"], special=True), eos])
             learned = np.ones(len(ids), bool)
             learned[:1] = False  # the first token is given, never predicted
@@ -72,6 +114,21 @@ def encode_records(records: list[dict], tokenizer, eos_id: int | None) -> list[t
             learned = np.concatenate([np.zeros(len(prompt), bool), np.ones(len(completion), bool)])
         out.append((ids, learned))
     return out
+
+
+def _encoded_chat(messages: list[dict], tokenizer, chat: ChatTemplate | None) -> tuple:
+    if chat is None:
+        raise UsageError(
+            'a {"messages": ...} record is a conversation, rendered with the checkpoint\'s chat '
+            "template: --init a checkpoint whose tokenizer_config.json has a chat_template "
+            "(or a chat_template.jinja), or write the records as prompt and completion"
+        )
+    # The template writes the special tokens (a BOS) itself.
+    pieces = [(tokenizer.encode_text(text), learned) for text, learned in chat.pieces(messages)]
+    ids = np.concatenate([ids for ids, _ in pieces]).astype(np.int32)
+    learned = np.concatenate([np.full(len(ids), flag) for ids, flag in pieces])
+    learned[:1] = False  # the first token is given, never predicted
+    return ids, learned
 
 
 class ExampleDataset:

@@ -11,8 +11,9 @@ import pathlib
 from typing import Any
 
 from zpp_jax.data import TokenDataset, TokenFiles, Tokenizer, expand, make_tokenizer, read_text
+from zpp_jax.data.chat import load_chat_template
 from zpp_jax.data.corpus import is_token_files, stdlib_corpus
-from zpp_jax.data.examples import ExampleDataset, encode_records, read_records
+from zpp_jax.data.examples import ExampleDataset, encode_records, read_records, record_text
 from zpp_jax.errors import UsageError
 
 VAL_FRACTION = 0.05
@@ -113,17 +114,18 @@ def _examples(cfg, train_files, val_files, saved) -> Examples:
             raise UsageError(f"--data {cfg.data}: one record; a validation split needs two")
         cut = len(records) - max(1, int(len(records) * VAL_FRACTION))
         records, val_records = records[:cut], records[cut:]
-    text = "\n".join(v for r in records for v in r.values()).encode()
+    text = "\n".join(record_text(r) for r in records).encode()
     tokenizer = make_tokenizer(cfg.tokenizer_spec, text, saved)
     _check_saved(cfg, tokenizer, saved)
     eos = _eos_id(cfg)
+    chat = None if cfg.init is None else load_chat_template(cfg.init)
     digest = hashlib.sha256()
     for file in [*train_files, *(val_files or [])]:
         digest.update(file.read_bytes())
     return Examples(
         tokenizer,
-        encode_records(records, tokenizer, eos),
-        encode_records(val_records, tokenizer, eos),
+        encode_records(records, tokenizer, eos, chat),
+        encode_records(val_records, tokenizer, eos, chat),
         {"examples": len(records) + len(val_records), "sha256": digest.hexdigest()},
         f"{len(records) + len(val_records)} fine-tuning examples",
         0 if eos is None else eos,
