@@ -3,6 +3,7 @@ examples (the loss on completions only), the run identity holding the
 checkpoint, and the flags that contradict it refused."""
 
 import json
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,12 +11,14 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
+import zpp_jax as zpp
 from zpp_jax import hf
 from zpp_jax.cli import main
 from zpp_jax.data.chat import load_chat_template
 from zpp_jax.data.examples import ExampleDataset, encode_records, read_records
 from zpp_jax.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 from zpp_jax.errors import UsageError
+from zpp_jax.lora import add_lora
 from zpp_jax.models import Llama, LlamaConfig
 from zpp_jax.recipes import RunConfig
 from zpp_jax.recipes import corpus as run_corpus
@@ -175,6 +178,12 @@ def _check_export(tmp_path, data, metrics, capfd):
     assert capfd.readouterr().out == prompt + tokenizer.decode(want) + "\n"
     assert main(["sample", "--ckpt-dir", run, "--prompt", prompt, "--max-tokens", "60"]) == 2
     assert "more exceed the model's context of 64 positions" in capfd.readouterr().err
+    # Without its tokenizer.json the run cannot decode: refused, not bytes.
+    saved = tmp_path / "run" / "tokenizer.json"
+    saved.rename(tmp_path / "aside.json")
+    assert main(["sample", "--ckpt-dir", run, "--prompt", prompt]) == 2
+    assert "has no tokenizer.json, and its run encoded text with one" in capfd.readouterr().err
+    (tmp_path / "aside.json").rename(saved)
 
 
 @pytest.mark.parametrize(
@@ -312,12 +321,82 @@ def test_lora_and_export_mistakes_are_one_line_each(tmp_path, capfd):
             f"--ckpt-dir {tmp_path / 'missing'} does not exist",
         ),
     ]
+    cases += _damaged_inputs(tmp_path, ckpt, data, base)
     for args, message in cases:
         code = main(args)
         err = capfd.readouterr().err
         assert code == 2 and message in err and err.count("\n") == 1, (args, err)
     assert not (tmp_path / "r").exists() and not (tmp_path / "missing").exists()
     assert not (tmp_path / "o").exists()
+    with pytest.raises(UsageError, match="pass a sequence of attribute names"):
+        add_lora(Llama(LlamaConfig(), nnx.Rngs(0)), 4, targets="gate")
+    with pytest.raises(UsageError, match="freeze=42 is not an NNX filter"):
+        zpp.shard(Llama(LlamaConfig(), nnx.Rngs(0)), zpp.make_mesh(2, 4), freeze=42)
+
+
+def _damaged_inputs(tmp_path, ckpt, data, base):
+    """(arguments, message) of a checkpoint or data damaged each in its own
+    way, in copies of `ckpt` and `data`."""
+    out = []
+
+    def copy(name, change):
+        target = tmp_path / name
+        shutil.copytree(ckpt, target)
+        change(target)
+        return ["train", "--init", str(target), "--data", str(data)]
+
+    def cut(d):
+        weights = (d / "model.safetensors").read_bytes()
+        (d / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+
+    def lfs(d):
+        (d / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid x\n")
+
+    def config(**changes):
+        def change(d):
+            data = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**data, **changes}))
+
+        return change
+
+    out.append((copy("cut", cut), "cannot be read as safetensors"))
+    out.append((copy("lfs", lfs), "is a git-lfs pointer, not the weights: fetch them"))
+    out.append((copy("eps", config(rms_norm_eps="x")), "rms_norm_eps must be a positive number"))
+    out.append(
+        (
+            copy("nan", config(rms_norm_eps=float("nan"))),
+            "rms_norm_eps must be a positive number, got nan",
+        )
+    )
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes('{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    out.append(
+        (
+            ["train", "--init", str(ckpt), "--data", str(latin)],
+            "not UTF-8 text (byte 13); JSONL is UTF-8",
+        )
+    )
+    targets = [*base, "--lora", "4", "--lora-targets", "q,v,gatee"]
+    out.append((targets, "no linear layer named gatee in Llama"))
+    tune = ["tune", "--model", "tiny", "--out", str(tmp_path / "no" / "t.json")]
+    out.append((tune, f"the directory {tmp_path / 'no'} does not exist"))
+    return out
+
+
+def test_an_overwritten_export_leaves_no_shard_of_the_old_one(tmp_path):
+    """hf.save over a sharded save writes one file and deletes the old
+    shards and index, so that a load reads the new weights; other files
+    stay."""
+    model = Llama(LlamaConfig(vocab_size=64, d_model=32, n_heads=4, d_ff=64), nnx.Rngs(0))
+    hf.save(model, tmp_path, max_shard_bytes=8_000)
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
+    (tmp_path / "notes.txt").write_text("mine")
+    other = Llama(LlamaConfig(vocab_size=64, d_model=32, n_heads=4, d_ff=64), nnx.Rngs(1))
+    hf.save(other, tmp_path, overwrite=True)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["config.json", "model.safetensors", "notes.txt"]
+    loaded = hf.load(tmp_path)
+    np.testing.assert_array_equal(loaded.embed.embedding[...], other.embed.embedding[...])
 
 
 CHAT_TEMPLATE = (

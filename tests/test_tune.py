@@ -112,7 +112,8 @@ def test_choose_takes_the_fastest_within_the_error_bound():
     ]
     assert choose(rows, None)["name"] == "a"
     assert choose(rows, 0.1)["name"] == "b"
-    with pytest.raises(UsageError, match="--max-grad-error"):
+    bound = r"--max-grad-error 0.001; the smallest measured is 0.01 \(b\): raise it to at least"
+    with pytest.raises(UsageError, match=bound):
         choose(rows, 0.001)
     with pytest.raises(UsageError, match="raise --budget"):
         choose(rows[2:], None)

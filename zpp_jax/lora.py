@@ -41,16 +41,23 @@ def add_lora(
 
     Raises:
       UsageError: a rank that is not a positive int or is more than a
-        layer's features, or no linear layer of those names (the error
-        lists the names there are).
+        layer's features, targets that are not a sequence of names, or a
+        target that names no linear layer (the error lists the names there
+        are).
     """
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise UsageError(f"LoRA rank {rank!r}: use a positive number of dimensions, such as 8")
-    layers = _linear_layers(model, targets)
-    if not layers:
-        names = sorted({name for _, name, _ in _linear_layers(model, None)})
+    if isinstance(targets, str) or not all(isinstance(t, str) for t in targets):
         raise UsageError(
-            f"no linear layer named {', '.join(targets)} in {type(model).__name__}: name the "
+            f"LoRA targets {targets!r}: pass a sequence of attribute names, such as "
+            "('q', 'v') or ['gate']"
+        )
+    layers = _linear_layers(model, targets)
+    names = sorted({name for _, name, _ in _linear_layers(model, None)})
+    missing = [t for t in targets if t not in {name for _, name, _ in layers}]
+    if missing:
+        raise UsageError(
+            f"no linear layer named {', '.join(missing)} in {type(model).__name__}: name the "
             "model's nnx.Linear attributes to adapt with --lora-targets (it has "
             f"{', '.join(names) if names else 'none'})"
         )

@@ -283,7 +283,7 @@ def shard(
     check_outputs(outputs)
     check_batch_axis_name(batch_axis_name)
     _check_model(model, mesh, config)
-    units, frozen = _select(model, policy), freeze and nnx.filterlib.to_predicate(freeze)
+    units, frozen = _select(model, policy), _freeze_predicate(freeze)
     dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
     rules = rules if rules is not None else nn.get_logical_axis_rules()
     along = check_shard_along(shard_along)
@@ -294,6 +294,20 @@ def shard(
     # The rest whole on every device: a jitted step then takes it with the
     # sharding it returns it with, and compiles once.
     return on_mesh(model, mesh)
+
+
+def _freeze_predicate(freeze):
+    """`freeze` as a predicate (None: nothing frozen); UsageError unless it
+    is an NNX filter."""
+    if freeze is None:
+        return None
+    try:
+        return nnx.filterlib.to_predicate(freeze)
+    except (TypeError, ValueError):
+        raise UsageError(
+            f"freeze={freeze!r} is not an NNX filter: pass a Variable type (nnx.Param), a "
+            "path or name, a predicate (path, variable) -> bool, or zpp_jax.lora.FROZEN"
+        ) from None
 
 
 def _check_model(model, mesh: Mesh, config: ZeroPPConfig) -> None:

@@ -34,7 +34,13 @@ def read_records(files: list[pathlib.Path]) -> list[dict]:
     """
     records = []
     for file in files:
-        for number, line in enumerate(file.read_text().splitlines(), 1):
+        try:
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(
+                f"{file}: not UTF-8 text (byte {e.start}); JSONL is UTF-8: save it so"
+            ) from None
+        for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:

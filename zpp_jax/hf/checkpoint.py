@@ -35,6 +35,7 @@ from zpp_jax.hf.files import (
     INDEX,
     TensorReader,
     plan_shards,
+    remove_weights,
     shard_file_names,
     weight_files,
     write_streamed,
@@ -290,6 +291,7 @@ def save(
     lead = jax.process_index() == 0
     if lead:
         directory.mkdir(parents=True, exist_ok=True)
+        remove_weights(directory)  # an overwritten export's shards and index
         config = {**checkpoint_config(model.cfg, dtype), **(extra or {})}
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for names, file in zip(groups, files, strict=True):

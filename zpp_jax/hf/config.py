@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 
 from zpp_jax.errors import UsageError
@@ -96,7 +97,15 @@ def parse_config(data: dict, source: str = "config.json") -> CheckpointConfig:
     _check_supported(data, source)
     n_heads = _int(data, "num_attention_heads", source)
     d_model = _int(data, "hidden_size", source)
-    head_dim = data.get("head_dim") or d_model // n_heads
+    head_dim = _int(data, "head_dim", source) if data.get("head_dim") else d_model // n_heads
+    n_kv_heads = (
+        _int(data, "num_key_value_heads", source) if "num_key_value_heads" in data else n_heads
+    )
+    if n_heads % n_kv_heads:
+        raise UsageError(
+            f"{source}: num_key_value_heads {n_kv_heads} does not divide "
+            f"num_attention_heads {n_heads}"
+        )
     qkv_bias = bool(data.get("attention_bias", False)) if bias is None else bias
     return CheckpointConfig(
         family=family,
@@ -104,11 +113,11 @@ def parse_config(data: dict, source: str = "config.json") -> CheckpointConfig:
         d_model=d_model,
         n_layers=_int(data, "num_hidden_layers", source),
         n_heads=n_heads,
-        n_kv_heads=int(data.get("num_key_value_heads") or n_heads),
+        n_kv_heads=n_kv_heads,
         head_dim=int(head_dim),
         d_ff=_int(data, "intermediate_size", source),
         max_positions=_int(data, "max_position_embeddings", source),
-        norm_eps=float(data.get("rms_norm_eps", default_eps)),
+        norm_eps=_positive(data.get("rms_norm_eps", default_eps), "rms_norm_eps", source),
         rope=_rope(data, source),
         qkv_bias=qkv_bias,
         tie_embeddings=bool(data.get("tie_word_embeddings", False)),
@@ -156,6 +165,15 @@ def _int(data: dict, key: str, source: str) -> int:
     return value
 
 
+def _positive(value, key: str, source: str) -> float:
+    """`value` as a float, if it is a finite number above zero."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise UsageError(f"{source}: {key} must be a positive number, got {value!r}")
+    if not math.isfinite(value):
+        raise UsageError(f"{source}: {key} must be finite, got {value!r}")
+    return float(value)
+
+
 def _rope(data: dict, source: str) -> Rope:
     """The rotary embedding, from 5.x's ``rope_parameters`` or 4.x's
     ``rope_theta`` and ``rope_scaling``."""
@@ -169,20 +187,16 @@ def _rope(data: dict, source: str) -> Rope:
             f"{source}: rope type {rope_type!r} is not supported; zpp_jax.hf reads "
             f"{', '.join(ROPE_TYPES)}"
         )
-    theta = float(params.get("rope_theta", data.get("rope_theta", 10000.0)))
+    theta = _positive(
+        params.get("rope_theta", data.get("rope_theta", 10000.0)), "rope_theta", source
+    )
     if rope_type == "default":
         return Rope(theta)
     missing = [k for k in _LLAMA3 if k not in params]
     if missing:
         raise UsageError(f"{source}: llama3 rope scaling without {', '.join(missing)}")
-    return Rope(
-        theta,
-        "llama3",
-        float(params["factor"]),
-        float(params["low_freq_factor"]),
-        float(params["high_freq_factor"]),
-        int(params["original_max_position_embeddings"]),
-    )
+    factors = [_positive(params[k], k, source) for k in _LLAMA3[:3]]
+    return Rope(theta, "llama3", *factors, _int(params, _LLAMA3[3], source))
 
 
 def _sliding_window(data: dict, family: str) -> int | None:

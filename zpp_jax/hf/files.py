@@ -36,7 +36,12 @@ def weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     """
     index = directory / INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            raise UsageError(
+                f"{index} is not a JSON index of the weights: download it again"
+            ) from None
         files = {name: directory / file for name, file in weight_map.items()}
         for file in sorted(set(files.values())):
             if not file.is_file():
@@ -45,8 +50,36 @@ def weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     single = directory / WEIGHTS
     if not single.is_file():
         raise UsageError(f"{directory} has neither {WEIGHTS} nor {INDEX}")
-    with safe_open(single, "numpy") as f:
+    with open_weights(single) as f:
         return {name: single for name in f.keys()}  # noqa: SIM118 - not a dict
+
+
+def open_weights(file: pathlib.Path):
+    """`safe_open(file)`; a file that is not safetensors (cut off in a
+    download, or a git-lfs pointer checked out without git-lfs) raises
+    UsageError naming it and the fix."""
+    try:
+        return safe_open(file, "numpy")
+    except Exception as e:  # safetensors' own error, or the OS's
+        raise UsageError(damaged(file, e)) from None
+
+
+def damaged(file: pathlib.Path, error: Exception) -> str:
+    """What is wrong with a weights file that cannot be read, and the fix."""
+    try:
+        with open(file, "rb") as f:
+            start = f.read(64)
+    except OSError:
+        start = b""
+    if start.startswith(b"version https://git-lfs"):
+        return (
+            f"{file} is a git-lfs pointer, not the weights: fetch them (git lfs install && "
+            "git lfs pull in the checkpoint's repository)"
+        )
+    return (
+        f"{file} cannot be read as safetensors ({error}): it is cut off or damaged; "
+        "download it again"
+    )
 
 
 class TensorReader:
@@ -77,7 +110,7 @@ class TensorReader:
     def _handle(self, name: str):
         file = self._files[name]
         if file not in self._open:
-            self._open[file] = self._stack.enter_context(safe_open(file, "numpy"))
+            self._open[file] = self._stack.enter_context(open_weights(file))
         return self._open[file]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -88,7 +121,10 @@ class TensorReader:
         """`name`'s elements at `index` (a tuple of slices; None: all). Only
         the slice is copied out of the file."""
         part = self._handle(name).get_slice(name)
-        return part[:] if index is None else part[index]
+        try:
+            return part[:] if index is None else part[index]
+        except Exception as e:  # the header promised bytes the file does not hold
+            raise UsageError(damaged(self._files[name], e)) from None
 
 
 def fingerprint(directory: pathlib.Path, samples: int = 16, sample_bytes: int = 1 << 16) -> dict:
@@ -153,6 +189,17 @@ def write_streamed(
             if value.shape != tuple(shape):
                 raise ValueError(f"{name}: got shape {value.shape}, declared {tuple(shape)}")
             out.write(value.tobytes())
+
+
+def remove_weights(directory: pathlib.Path) -> None:
+    """Delete a checkpoint's weights in `directory`: ``model.safetensors``,
+    its shards (``model-*-of-*.safetensors``) and their index. Other files
+    stay. A save over an export of more shards would otherwise leave the
+    old index and shards, which a load then reads."""
+    shards = directory.glob("model-*-of-*.safetensors")
+    for file in [directory / WEIGHTS, directory / INDEX, *shards]:
+        if file.is_file():
+            file.unlink()
 
 
 def shard_file_names(count: int) -> Iterator[str]:

@@ -93,6 +93,22 @@ def _pick(logits: jax.Array, temperature: float, key) -> int:
     return int(jax.random.categorical(key, logits.astype(jnp.float32) / temperature))
 
 
+def _check_bytes_run(directory: pathlib.Path, step: int | None) -> None:
+    """Raise UsageError unless the run in `directory` encoded its text as
+    bytes: a run whose tokenizer.json is gone would decode as garbage."""
+    from zpp_jax.checkpoint import Checkpointer
+
+    checkpointer = Checkpointer(directory)
+    step = checkpointer.latest_step() if step is None else step
+    if step is None or step not in checkpointer.all_steps():
+        return  # restoring says what is missing
+    if checkpointer.read_meta(step)["identity"]["tokenizer"].get("sha256"):
+        raise UsageError(
+            f"--ckpt-dir {directory} has no tokenizer.json, and its run encoded text with one: "
+            "copy that tokenizer.json back there"
+        )
+
+
 def sample_run(
     ckpt_dir: str,
     prompt: str,
@@ -108,12 +124,15 @@ def sample_run(
     from zpp_jax.data.tokenizer import ByteTokenizer, load_tokenizer
     from zpp_jax.hf.config import read_config
     from zpp_jax.hf.model import llama_config
-    from zpp_jax.recipes.export import restore_run_model
+    from zpp_jax.recipes.export import check_run_directory, restore_run_model
     from zpp_jax.recipes.runs import CONFIG_FILE
     from zpp_jax.sharded import unshard
 
     directory = pathlib.Path(ckpt_dir)
+    check_run_directory(directory)
     file = directory / "tokenizer.json"
+    if not file.is_file():
+        _check_bytes_run(directory, step)
     tokenizer = load_tokenizer(file) if file.is_file() else ByteTokenizer()
     ids = tokenizer.encode_text(prompt, special=True)
     eos, length = None, None

@@ -296,8 +296,15 @@ def choose(rows: list[dict], max_grad_error: float | None) -> dict:
         raise UsageError("no candidate was measured: raise --budget")
     allowed = [r for r in measured if within_error(r.get("grad_error"), max_grad_error)]
     if not allowed:
+        errors = [r for r in rows if r.get("grad_error") is not None]
+        least = min(errors, key=lambda r: r["grad_error"], default=None)
+        smallest = (
+            f"; the smallest measured is {least['grad_error']:.3g} ({least['name']}): raise "
+            "it to at least that"
+            if least
+            else ": raise it, or the --budget"
+        )
         raise UsageError(
-            "no candidate was measured within --max-grad-error "
-            f"{max_grad_error}: raise it, or the --budget"
+            f"no setting's gradient error is within --max-grad-error {max_grad_error}{smallest}"
         )
     return min(allowed, key=lambda r: r["step_s"])

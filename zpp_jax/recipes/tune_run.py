@@ -6,6 +6,7 @@ gradient error on one real batch."""
 from __future__ import annotations
 
 import importlib
+import os
 import pathlib
 import statistics
 import sys
@@ -306,13 +307,26 @@ class Tuner:
         return build, real_batch(self.cfg.batch, seq)
 
 
+def check_out(out: pathlib.Path, overwrite: bool) -> None:
+    """Raise UsageError unless the winner can be written to `out`: checked
+    before the search, not after it."""
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a directory: name the file to write")
+    if out.exists() and not overwrite:
+        raise UsageError(f"{out} exists: pass --overwrite to replace it, or another --out")
+    parent = out.parent if str(out.parent) else pathlib.Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"--out {out}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"--out {out}: the directory {parent} is not writable")
+
+
 def tune(cfg: TuneConfig, mesh, cpu_mesh) -> dict:
     """Run `zpp tune` on `mesh` (CPU devices, or a GPU target mesh), its
     numerics on `cpu_mesh`; write the winner to ``cfg.out`` (process 0).
     Returns the rows, ranked, and the winner's."""
     out = pathlib.Path(cfg.out)
-    if out.exists() and not cfg.overwrite:
-        raise UsageError(f"{out} exists: pass --overwrite to replace it, or another --out")
+    check_out(out, cfg.overwrite)
     tuner = Tuner(cfg, mesh, cpu_mesh)
     start = time.perf_counter()
     tuner.run(candidates(ZeroPPConfig(comm_dtype="bfloat16")))
@@ -396,6 +410,7 @@ def run_tune_command(cfg: TuneConfig) -> int:
     meshes, the run, the table on stdout (process 0)."""
     from zpp_jax.mesh import make_mesh
 
+    check_out(pathlib.Path(cfg.out), cfg.overwrite)
     if cfg.target == "cpu":
         mesh = cpu_mesh = make_mesh(cfg.nodes, cfg.local)
     else:
