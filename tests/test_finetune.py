@@ -380,6 +380,9 @@ def _damaged_inputs(tmp_path, ckpt, data, base):
     out.append((targets, "no linear layer named gatee in Llama"))
     tune = ["tune", "--model", "tiny", "--out", str(tmp_path / "no" / "t.json")]
     out.append((tune, f"the directory {tmp_path / 'no'} does not exist"))
+    (tmp_path / "plain").mkdir()
+    chat = ["sample", "--ckpt-dir", str(tmp_path / "plain"), "--prompt", "hi", "--chat"]
+    out.append((chat, f"--chat: --ckpt-dir {tmp_path / 'plain'} has no chat template"))
     return out
 
 
@@ -468,12 +471,15 @@ def test_chat_records_without_a_template_or_with_bad_messages_are_one_line(tmp_p
 
 
 @pytest.mark.slow  # a training run
-def test_zpp_train_fine_tunes_on_conversations(tmp_path):
+def test_zpp_train_fine_tunes_on_conversations(tmp_path, capfd):
     """zpp train --init DIR --data chat.jsonl trains (the loss falls) and
-    its first step's loss is the checkpoint's own on the assistant tokens."""
-    ckpt, data, _ = write_chat(tmp_path)
-    metrics = tmp_path / "m.jsonl"
+    its first step's loss is the checkpoint's own on the assistant tokens;
+    `zpp sample --chat` writes the reply the exported model writes after
+    the template's assistant header, up to its end of turn."""
+    ckpt, data, tokenizer = write_chat(tmp_path)
+    metrics, run = tmp_path / "m.jsonl", str(tmp_path / "run")
     args = ["train", "--init", str(ckpt), "--data", str(data), "--quiet", "--seq", "48"]
+    args += ["--ckpt-dir", run]
     args += ["--batch", "8", "--steps", "6", "--eval-every", "0", "--lr", "1e-2", "--warmup", "1"]
     args += ["--zero3", "--comm-dtype", "float32", "--compute-dtype", "float32"]
     assert main([*args, "--metrics", str(metrics)]) == 0
@@ -484,3 +490,15 @@ def test_zpp_train_fine_tunes_on_conversations(tmp_path):
     want = cross_entropy(model(jnp.asarray(batch["inputs"])), batch["targets"], batch["weights"])
     assert losses[0] == pytest.approx(float(want), rel=1e-5)
     assert losses[-1] < losses[0]
+    out = tmp_path / "exported"
+    assert main(["export", "--ckpt-dir", run, "--hf", str(out), "--dtype", "float32"]) == 0
+    capfd.readouterr()
+    prompt = "add two and three"
+    assert (
+        main(["sample", "--ckpt-dir", run, "--prompt", prompt, "--chat", "--max-tokens", "6"]) == 0
+    )
+    rendered = load_chat_template(ckpt).render(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True
+    )
+    ids = generate(hf.load(out), tokenizer.encode_text(rendered), 6, eos_id=3)
+    assert capfd.readouterr().out == tokenizer.decode(ids) + "\n"

@@ -494,6 +494,12 @@ def _sample_parser(sub) -> None:
     sample.add_argument("--ckpt-dir", required=True, help="the run's checkpoint directory")
     sample.add_argument("--prompt", required=True, help="the text to continue")
     sample.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user's message: render it with the checkpoint's chat template "
+        "and write the assistant's reply, up to its end of turn",
+    )
+    sample.add_argument(
         "--max-tokens",
         type=count(why="tokens to write"),
         default=64,
@@ -523,8 +529,9 @@ def _sample(args) -> int:
         temperature=args.temperature,
         seed=args.seed,
         step=args.step,
+        chat=args.chat,
     )
-    print(args.prompt + text)
+    print(text if args.chat else args.prompt + text)
     return 0
 
 

@@ -58,6 +58,10 @@ class Tokenizer:
     def to_json(self) -> str | None:
         return None
 
+    def token_id(self, token: str) -> int | None:
+        """The id of `token` (such as a special token's text), if it is one."""
+        return None
+
     def fingerprint(self) -> dict:
         text = self.to_json()
         digest = hashlib.sha256(text.encode()).hexdigest() if text else None
@@ -96,6 +100,9 @@ class HFTokenizer(Tokenizer):
 
     def encode_text(self, text: str, special: bool = False) -> np.ndarray:
         return np.asarray(self.tok.encode(text, add_special_tokens=special).ids, np.int32)
+
+    def token_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)

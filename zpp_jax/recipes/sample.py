@@ -15,7 +15,9 @@ and a cache of 2 x layers x seq_len x kv_width per sequence.
 from __future__ import annotations
 
 import functools
+import json
 import pathlib
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +35,11 @@ def generate(
     *,
     temperature: float = 0.0,
     seed: int = 0,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
 ) -> np.ndarray:
     """Up to `max_tokens` ids that follow `prompt` (a 1-D sequence of ids),
-    stopping after `eos_id`. Two compiled programs: the prompt's pass and
-    one token's step.
+    stopping after `eos_id` (or any of several). Two compiled programs: the
+    prompt's pass and one token's step.
 
     Raises:
       UsageError: an empty prompt, a negative temperature, or a prompt and
@@ -62,10 +64,11 @@ def generate(
     cache = [jnp.zeros((2, 1, decoder.seq_len, decoder.kv_width), decoder.dtype)] * n_layers
     logits, cache = forward(arrays, cache, jnp.asarray(prompt[None]), jnp.int32(0))
     key, out = jax.random.key(seed), []
+    stops = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     for i in range(max_tokens):
         token = _pick(logits[0], temperature, jax.random.fold_in(key, i))
         out.append(token)
-        if token == eos_id or i + 1 == max_tokens:
+        if token in stops or i + 1 == max_tokens:
             break
         step = jnp.asarray([[token]], jnp.int32)
         logits, cache = forward(arrays, cache, step, jnp.int32(prompt.size + i))
@@ -93,6 +96,42 @@ def _pick(logits: jax.Array, temperature: float, key) -> int:
     return int(jax.random.categorical(key, logits.astype(jnp.float32) / temperature))
 
 
+def _prompt_ids(directory: pathlib.Path, tokenizer, prompt: str, chat: bool) -> np.ndarray:
+    """The prompt's ids: its text with the tokenizer's added tokens, or with
+    `chat`, the chat template's rendering of it as a user's message."""
+    if not chat:
+        return tokenizer.encode_text(prompt, special=True)
+    from zpp_jax.data.chat import load_chat_template
+
+    template = load_chat_template(directory)
+    if template is None:
+        raise UsageError(
+            f"--chat: --ckpt-dir {directory} has no chat template (tokenizer_config.json's "
+            "chat_template, or chat_template.jinja): a run from a checkpoint with one keeps it"
+        )
+    text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return tokenizer.encode_text(text)  # the template writes the special tokens
+
+
+def _stop_ids(directory: pathlib.Path, tokenizer) -> set[int]:
+    """The ids that end a reply: config.json's and generation_config.json's
+    ``eos_token_id`` (an id or a list) and the chat template's end token."""
+    from zpp_jax.data.chat import load_chat_template
+
+    stops = set()
+    for name in ("config.json", "generation_config.json"):
+        if (directory / name).is_file():
+            value = json.loads((directory / name).read_text()).get("eos_token_id")
+            stops.update(
+                v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)
+            )
+    template = load_chat_template(directory)
+    if template is not None and template.eos_token:
+        end = tokenizer.token_id(template.eos_token)
+        stops.update([] if end is None else [end])
+    return stops
+
+
 def _check_bytes_run(directory: pathlib.Path, step: int | None) -> None:
     """Raise UsageError unless the run in `directory` encoded its text as
     bytes: a run whose tokenizer.json is gone would decode as garbage."""
@@ -117,10 +156,20 @@ def sample_run(
     temperature: float = 0.0,
     seed: int = 0,
     step: int | None = None,
+    chat: bool = False,
 ) -> str:
     """The text the model of a run's checkpoint writes after `prompt`,
     encoded and decoded with the run's tokenizer (its tokenizer.json, or
-    bytes), stopping at its end-of-sequence id (from its config.json)."""
+    bytes), stopping at an end-of-sequence id (its config.json's and
+    generation_config.json's). With `chat`, `prompt` is a user's message,
+    rendered with the checkpoint's chat template up to the assistant's
+    turn, and the text is the reply, ended also by the template's end of
+    turn.
+
+    Raises:
+      UsageError: a missing run, a tokenizer.json gone, `chat` without a
+        chat template, or more tokens than the model's positions.
+    """
     from zpp_jax.data.tokenizer import ByteTokenizer, load_tokenizer
     from zpp_jax.hf.config import read_config
     from zpp_jax.hf.model import llama_config
@@ -134,11 +183,10 @@ def sample_run(
     if not file.is_file():
         _check_bytes_run(directory, step)
     tokenizer = load_tokenizer(file) if file.is_file() else ByteTokenizer()
-    ids = tokenizer.encode_text(prompt, special=True)
-    eos, length = None, None
+    ids = _prompt_ids(directory, tokenizer, prompt, chat)
+    eos, length = _stop_ids(directory, tokenizer), None
     if (directory / CONFIG_FILE).is_file():  # a Llama: any length within its positions
-        checkpoint = read_config(directory)
-        eos, context = checkpoint.eos_token_id, llama_config(checkpoint).seq_len
+        context = llama_config(read_config(directory)).seq_len
         length = len(ids) + max_tokens
         if length > context:
             raise UsageError(
