@@ -233,7 +233,8 @@ def _page(report: dict, made: dict) -> str:
         "A tied-embedding Llama with llama3 rope scaling (128 positions) and its BPE "
         "tokenizer with Llama 3 Instruct's chat template, saved by transformers; "
         "`zpp train --lora 8` over the int8 base on 64 conversations (150 steps, 32 tokens); "
-        "`zpp export --dtype float32`; loaded back by transformers. Data: "
+        "`zpp export --dtype float32` (the adapters merged onto the base's own kernels, the "
+        "default); loaded back by transformers. Data: "
         "[hf_finetune.json](hf_finetune.json).\n\n"
         + pages.table(["check", "result"], rows)
         + "\n\nGreedy replies, `zpp sample --chat` against transformers' `generate` on the "

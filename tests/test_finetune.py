@@ -213,20 +213,57 @@ def test_a_checkpoint_without_a_tokenizer_or_config_is_refused(tmp_path, capfd):
 
 @pytest.mark.slow
 def test_a_lora_run_trains_adapters_and_exports_them_merged(tmp_path, capfd):
-    """zpp train --lora over the checkpoint (an int8 base): the metrics
-    carry the state bytes per device; the export merges the adapters, the
-    exported model's validation loss is the run's last (to the rounding of
-    fp32 sums in another order), and every tensor no adapter wraps is the
-    checkpoint's own."""
+    """zpp train --lora over the checkpoint (an int8 base, alpha 8 on rank
+    4): the metrics carry the state bytes per device. The export merges
+    the adapters: by default onto the base checkpoint's own kernels (each
+    is the base's plus 2 a @ b), with --merge-onto codes onto the codes the
+    run computed with, whose validation loss is the run's last (to the
+    rounding of fp32 sums in another order). Every tensor no adapter wraps
+    is the checkpoint's own either way. A base that moved, or another
+    checkpoint, is refused."""
     ckpt, data = write_finetune(tmp_path)
     metrics, run = tmp_path / "m.jsonl", str(tmp_path / "run")
-    extra = ["--lora", "4", "--metrics", str(metrics), "--ckpt-dir", run]
+    extra = ["--lora", "4", "--lora-alpha", "8", "--metrics", str(metrics), "--ckpt-dir", run]
     assert _train(tmp_path, ckpt, data, *extra) == 0
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records[0]["state_bytes_per_device"] > 0
     assert records[-1]["loss"] < records[0]["loss"]
-    out = tmp_path / "exported"
-    assert main(["export", "--ckpt-dir", run, "--hf", str(out), "--dtype", "float32"]) == 0
+    out, trained = tmp_path / "exported", tmp_path / "trained"
+    export = ["export", "--ckpt-dir", run, "--dtype", "float32"]
+    assert main([*export, "--hf", str(out)]) == 0
+    assert main([*export, "--hf", str(trained), "--merge-onto", "codes"]) == 0
+    _check_trained_loss(trained, ckpt, data, records[-1]["val_loss"])
+    _check_merged_onto_the_base(out, ckpt, run)
+    # What no adapter wraps (the embedding, the norms, the LM head) is the
+    # checkpoint's own, bit for bit: only the adapted kernels were codes.
+    base = load_file(ckpt / "model.safetensors")
+    for exported in (
+        load_file(out / "model.safetensors"),
+        load_file(trained / "model.safetensors"),
+    ):
+        untouched = [name for name in base if "_proj." not in name]
+        assert len(untouched) == 2 * 2 + 3 and set(exported) == set(base)
+        for name in untouched:
+            np.testing.assert_array_equal(exported[name], base[name], err_msg=name)
+    capfd.readouterr()
+    other, _ = write_finetune(tmp_path / "other", seed=1)
+    assert main([*export, "--hf", str(tmp_path / "y"), "--base", str(other)]) == 2
+    assert "is not the checkpoint this run started from" in capfd.readouterr().err
+    ckpt.rename(tmp_path / "moved")
+    assert main([*export, "--hf", str(tmp_path / "y")]) == 2
+    assert "the run's base checkpoint" in capfd.readouterr().err
+    assert main([*export, "--hf", str(tmp_path / "y"), "--base", str(tmp_path / "moved")]) == 0
+    capfd.readouterr()
+    assert main(["export", "--ckpt-dir", run, "--hf", str(tmp_path / "x"), "--step", "7"]) == 2
+    assert "no checkpoint 7; it holds checkpoints [6]" in capfd.readouterr().err
+    moved = tmp_path / "moved"
+    assert main(["train", "--init", str(moved), "--data", str(data), "--lora", "0"]) == 2
+    assert "--lora: must be an int from 1" in capfd.readouterr().err
+    assert main(["train", "--init", str(moved), "--data", str(data), "--lora-targets", "q"]) == 2
+    assert "--lora-targets names the layers --lora adapts" in capfd.readouterr().err
+
+
+def _check_trained_loss(out, ckpt, data, val_loss):
     cfg = RunConfig(init=str(ckpt), data=str(data), seq_len=24, batch=8)
     data_set = run_corpus.load(cfg).dataset(24, 304)
     model = hf.load(out, seq_len=24)
@@ -235,22 +272,26 @@ def test_a_lora_run_trains_adapters_and_exports_them_merged(tmp_path, capfd):
         batch = data_set.batch("val", i, 8, seed=0)
         logits = model(jnp.asarray(batch["inputs"]))
         losses.append(float(cross_entropy(logits, batch["targets"], batch["weights"])))
-    assert np.mean(losses) == pytest.approx(records[-1]["val_loss"], rel=1e-5)
-    # What no adapter wraps (the embedding, the norms, the LM head) is the
-    # checkpoint's own, bit for bit: only the adapted kernels were codes.
-    base = load_file(ckpt / "model.safetensors")
-    exported = load_file(out / "model.safetensors")
-    untouched = [name for name in base if "_proj." not in name]
-    assert len(untouched) == 2 * 2 + 3 and set(exported) == set(base)
-    for name in untouched:
-        np.testing.assert_array_equal(exported[name], base[name], err_msg=name)
-    capfd.readouterr()
-    assert main(["export", "--ckpt-dir", run, "--hf", str(tmp_path / "x"), "--step", "7"]) == 2
-    assert "no checkpoint 7; it holds checkpoints [6]" in capfd.readouterr().err
-    assert main(["train", "--init", str(ckpt), "--data", str(data), "--lora", "0"]) == 2
-    assert "--lora: must be an int from 1" in capfd.readouterr().err
-    assert main(["train", "--init", str(ckpt), "--data", str(data), "--lora-targets", "q"]) == 2
-    assert "--lora-targets names the layers --lora adapts" in capfd.readouterr().err
+    assert np.mean(losses) == pytest.approx(val_loss, rel=1e-5)
+
+
+def _check_merged_onto_the_base(out, ckpt, run):
+    """Each adapted kernel of `out` is the base checkpoint's plus
+    alpha / rank (2) times its adapters' a @ b, to fp32 rounding."""
+    from zpp_jax.recipes.export import restore_run_model
+
+    model, _, _ = restore_run_model(run)
+    adapters = dict(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
+    merged = dict(nnx.to_flat_state(nnx.state(hf.load(out), nnx.Param)))
+    base = dict(nnx.to_flat_state(nnx.state(hf.load(ckpt), nnx.Param)))
+    layers = {path[:-1] for path in adapters}
+    assert len(layers) == 2 * 7
+    for layer in layers:
+        a = np.asarray(adapters[(*layer, "lora_a")].get_value())
+        b = np.asarray(adapters[(*layer, "lora_b")].get_value())
+        kernel = (*layer, "kernel")
+        want = base[kernel].get_value() + 2.0 * (a @ b)
+        np.testing.assert_allclose(merged[kernel].get_value(), want, rtol=0, atol=1e-6)
 
 
 def test_a_broken_checkpoint_is_refused_before_anything_is_written(tmp_path, capfd):
@@ -299,6 +340,8 @@ def test_lora_and_export_mistakes_are_one_line_each(tmp_path, capfd):
     base = ["train", "--init", str(ckpt), "--data", str(data), "--ckpt-dir", str(tmp_path / "r")]
     cases = [
         ([*base, "--frozen-bits", "4"], "--frozen-bits sets how the frozen kernels --lora adapts"),
+        ([*base, "--lora-alpha", "16"], "--lora-alpha scales the adapters --lora trains"),
+        ([*base, "--lora", "4", "--lora-alpha", "0"], "--lora-alpha: must be"),
         (
             [*base, "--lora", "1000"],
             "LoRA rank 1000 is more than the 16 features of the narrowest layer it adapts",

@@ -139,13 +139,25 @@ def test_codes_take_a_quarter_or_an_eighth_of_the_fp32_base():
     assert int8 <= 0.26 * fp32 and int4 <= 0.14 * fp32, (fp32, int8, int4)
 
 
-def test_merge_lora_folds_the_adapters_into_the_kernels():
-    model = _lora_llama()
+@pytest.mark.parametrize("alpha", [None, 32.0])
+def test_merge_lora_folds_the_adapters_into_the_kernels(alpha):
+    """The merged model computes what the adapted one does, with the
+    update scaled by alpha / rank (4x here) or unscaled (no alpha)."""
+    model = add_lora(Llama(CFG, nnx.Rngs(0)), 8, alpha=alpha)
     tokens = jnp.arange(16, dtype=jnp.int32)[None] % 64
+    plain = model(tokens)
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        var.set_value(var.get_value() + 0.01)
     want = model(tokens)
+    layer = model.layers[0].mlp.up
+    x = jnp.ones((1, layer.in_features))
+    update = x @ layer.lora_a[...] @ layer.lora_b[...]
+    scale = 1.0 if alpha is None else 4.0
+    np.testing.assert_allclose(layer(x) - layer.base_module(x), scale * update, rtol=1e-5)
     merged = merge_lora(model)
     assert not nnx.state(merged, nnx.LoRAParam)
     np.testing.assert_allclose(merged(tokens), want, rtol=0, atol=2e-6)
+    assert np.abs(np.asarray(want) - np.asarray(plain)).max() > 1e-3
 
 
 class UserModel(nnx.Module):

@@ -16,16 +16,35 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from zpp_jax.errors import UsageError
 
-__all__ = ["DEFAULT_TARGETS", "FROZEN", "add_lora", "merge_lora"]
+__all__ = ["DEFAULT_TARGETS", "FROZEN", "ScaledLoRA", "add_lora", "merge_lora"]
 
 # The linear layers of `zpp_jax.models.Llama` (attention and MLP).
 DEFAULT_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 FROZEN = nnx.Not(nnx.LoRAParam)
+
+
+class ScaledLoRA(nnx.LoRA):
+    """`nnx.LoRA` whose update is scaled: ``base(x) + scale * (x @ a @ b)``,
+    with ``scale = alpha / rank`` as the LoRA paper writes it."""
+
+    def __init__(self, *args, scale: float = 1.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scale = float(scale)
+
+    def __call__(self, x: jax.Array, **kwargs) -> jax.Array:
+        x, lora_a, lora_b = self.promote_dtype(
+            (x, self.lora_a[...], self.lora_b[...]), dtype=self.dtype
+        )
+        update = x @ lora_a @ lora_b
+        if self.scale != 1.0:
+            update = update * jnp.asarray(self.scale, update.dtype)
+        return self.base_module(x, **kwargs) + update
 
 
 def add_lora(
@@ -34,10 +53,12 @@ def add_lora(
     targets: Sequence[str] = DEFAULT_TARGETS,
     *,
     seed: int = 0,
+    alpha: float | None = None,
 ) -> nnx.Module:
     """`model` with each `nnx.Linear` attribute named in `targets` wrapped
-    in an `nnx.LoRA` of `rank` (in place; returned). The adapters' `a` is
-    drawn from `seed`, `b` is zero.
+    in a `ScaledLoRA` of `rank` (in place; returned): its update scaled by
+    ``alpha / rank`` (default alpha: the rank, so unscaled). The adapters'
+    `a` is drawn from `seed`, `b` is zero.
 
     Raises:
       UsageError: a rank that is not a positive int or is more than a
@@ -67,10 +88,19 @@ def add_lora(
             f"LoRA rank {rank} is more than the {narrowest} features of the narrowest layer it "
             f"adapts (a rank of {narrowest} is already a full-rank update): use at most {narrowest}"
         )
+    if alpha is not None and not (isinstance(alpha, int | float) and 0 < alpha < float("inf")):
+        raise UsageError(f"LoRA alpha {alpha!r}: use a positive number, such as the rank")
+    scale = 1.0 if alpha is None else alpha / rank
     rngs = nnx.Rngs(seed)
     for module, name, base in layers:
-        lora = nnx.LoRA(
-            base.in_features, rank, base.out_features, base_module=base, dtype=base.dtype, rngs=rngs
+        lora = ScaledLoRA(
+            base.in_features,
+            rank,
+            base.out_features,
+            base_module=base,
+            dtype=base.dtype,
+            rngs=rngs,
+            scale=scale,
         )
         setattr(module, name, lora)
     return model
@@ -91,15 +121,15 @@ def _linear_layers(model: nnx.Module, targets: Sequence[str] | None) -> list:
 
 def merge_lora(model: nnx.Module) -> nnx.Module:
     """`model` (plain, not sharded) with each `nnx.LoRA` around an
-    `nnx.Linear` replaced by that linear layer, its kernel plus ``a @ b``
-    (in fp32, cast back to the kernel's dtype); in place, returned."""
+    `nnx.Linear` replaced by that linear layer, its kernel plus ``scale *
+    a @ b`` (`ScaledLoRA`'s scale, else 1; in fp32, cast back to the
+    kernel's dtype); in place, returned."""
     for _, module in list(nnx.iter_modules(model)):
         for name, value in list(vars(module).items()):
             if isinstance(value, nnx.LoRA) and isinstance(value.base_module, nnx.Linear):
                 base = value.base_module
-                delta = value.lora_a[...].astype(jnp.float32) @ value.lora_b[...].astype(
-                    jnp.float32
-                )
+                a, b = value.lora_a[...].astype(jnp.float32), value.lora_b[...].astype(jnp.float32)
+                delta = getattr(value, "scale", 1.0) * (a @ b)
                 kernel = base.kernel[...]
                 base.kernel = nnx.Param((kernel.astype(jnp.float32) + delta).astype(kernel.dtype))
                 setattr(module, name, base)

@@ -463,6 +463,19 @@ def _export_parser(sub) -> None:
         help="the weights' dtype (default bfloat16)",
     )
     export.add_argument("--overwrite", action="store_true", help="replace what --hf holds")
+    export.add_argument(
+        "--merge-onto",
+        choices=("base", "codes"),
+        default="base",
+        help="a LoRA run's adapters are merged onto the base checkpoint's own kernels (base, "
+        "the default: as a merge onto an unquantized base gives them) or onto the codes the "
+        "run computed with (codes: exactly the trained model)",
+    )
+    export.add_argument(
+        "--base",
+        metavar="DIR",
+        help="the LoRA run's --init checkpoint, if it has moved (default: where the run read it)",
+    )
     export.set_defaults(func=_export)
 
 
@@ -480,9 +493,8 @@ def _export(args) -> int:
     _emulate_saved_mesh(args.ckpt_dir, args.step)
     from zpp_jax.recipes.export import export_hf
 
-    written = export_hf(
-        args.ckpt_dir, args.hf, step=args.step, dtype=args.dtype, overwrite=args.overwrite
-    )
+    options = ("step", "dtype", "overwrite", "merge_onto", "base")
+    written = export_hf(args.ckpt_dir, args.hf, **{name: getattr(args, name) for name in options})
     print(f"zpp export: wrote {len(written)} files to {args.hf}", file=sys.stderr)
     return 0
 

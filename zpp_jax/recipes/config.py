@@ -41,6 +41,12 @@ class RunConfig:
     lora_targets: str = option(
         ",".join(LORA_TARGETS), "the linear layers --lora adapts, by attribute name"
     )
+    lora_alpha: float | None = option(
+        None,
+        "LoRA's alpha: the adapters' update is scaled by alpha / rank (default: the rank, an "
+        "unscaled update; PEFT's default is 8 whatever the rank)",
+        type=Number(float, 0, above=True, why="a scale"),
+    )
     arch: str = option("gpt", "the model family", choices=ARCHS)
     model: str = option("tiny", "size preset: tiny, small (both), 125m (gpt)")
     seq_len: int | None = option(
@@ -157,6 +163,8 @@ class RunConfig:
             raise UsageError("checkpointing and --resume need --ckpt-dir")
         if self.lora is None and self.lora_targets != ",".join(LORA_TARGETS):
             raise UsageError("--lora-targets names the layers --lora adapts: pass --lora RANK")
+        if self.lora is None and self.lora_alpha is not None:
+            raise UsageError("--lora-alpha scales the adapters --lora trains: pass --lora RANK")
         if self.lora is None and self.zero.frozen_bits != ZeroPPConfig().frozen_bits:
             raise UsageError(
                 "--frozen-bits sets how the frozen kernels --lora adapts are stored; without "

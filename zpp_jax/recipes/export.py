@@ -90,7 +90,9 @@ def restore_run_model(
 
     def make():
         model = model_type(model_cfg, nnx.Rngs(0))
-        return model if cfg.lora is None else add_lora(model, cfg.lora, lora_targets(cfg))
+        if cfg.lora is None:
+            return model
+        return add_lora(model, cfg.lora, lora_targets(cfg), alpha=cfg.lora_alpha)
 
     mesh = _restore_mesh(ckpt_dir, step, cfg)
     freeze = None if cfg.lora is None else FROZEN
@@ -140,19 +142,27 @@ def export_hf(
     step: int | None = None,
     dtype: str = "bfloat16",
     overwrite: bool = False,
+    merge_onto: str = "base",
+    base: str | pathlib.Path | None = None,
 ) -> list[pathlib.Path]:
     """Write checkpoint `step` (default: the newest) of the run in
     `ckpt_dir` as a Hugging Face checkpoint directory `out`, its weights in
     `dtype`; returns the files written, with the run's tokenizer.json and
     the initial checkpoint's other files (`COMPANION_FILES`: its chat
     template, special tokens, generation defaults). A LoRA run's adapters
-    are merged into their base kernels: each is the frozen base as the run
-    computed with it (decoded from its codes) plus ``a @ b``; its memory is
-    then the whole model on each device.
+    are merged into their kernels, ``kernel + scale * a @ b`` in fp32: with
+    `merge_onto` "base", the kernels of the checkpoint the run started
+    from (`base`, default where the run read it), so that a merge gives
+    the base's own weights plus the update, as onto an unquantized base;
+    with "codes", the kernels the run computed with (decoded from their
+    codes): the trained model exactly. Every tensor no adapter wraps is the
+    base's own either way. Memory: the whole model on the host, and with
+    "base" the base checkpoint once more.
 
     Raises:
       UsageError: `out` not empty (without `overwrite`), no checkpoint, a
-        run with no config.json (a GPT), or a token-pipeline run.
+        run with no config.json (a GPT), a token-pipeline run, or with
+        "base" a base checkpoint that is gone or is not the run's.
     """
     import jax
 
@@ -160,12 +170,17 @@ def export_hf(
 
     ckpt_dir, out = pathlib.Path(ckpt_dir), pathlib.Path(out)
     _check_export(ckpt_dir, out, dtype, overwrite)
-    model, cfg, _ = restore_run_model(ckpt_dir, step)
-    if cfg.lora is not None:  # the base as the run computed with it, plus a @ b
+    if merge_onto not in ("base", "codes"):
+        raise UsageError(f"--merge-onto {merge_onto!r}: choose base or codes")
+    model, cfg, step = restore_run_model(ckpt_dir, step)
+    if cfg.lora is not None:
         from zpp_jax.lora import merge_lora
         from zpp_jax.sharded import unshard
 
-        model = merge_lora(unshard(model))
+        model = unshard(model)
+        if merge_onto == "base":
+            _onto_base_kernels(model, _base_directory(ckpt_dir, step, base))
+        model = merge_lora(model)
     extra = _kept_config(ckpt_dir / CONFIG_FILE, dtype)
     written = hf.save(model, out, dtype=dtype, overwrite=overwrite, extra=extra)
     if jax.process_index() == 0:
@@ -174,6 +189,50 @@ def export_hf(
                 shutil.copyfile(ckpt_dir / name, out / name)
                 written.append(out / name)
     return written
+
+
+def _base_directory(ckpt_dir: pathlib.Path, step: int, base) -> pathlib.Path:
+    """The LoRA run's --init checkpoint: `base`, or where the run read it;
+    checked to be that checkpoint (its fingerprint)."""
+    from zpp_jax.checkpoint import Checkpointer
+    from zpp_jax.hf.files import fingerprint
+    from zpp_jax.recipes.runs import BASE_FILE
+
+    if base is None:
+        saved = ckpt_dir / BASE_FILE
+        if not saved.is_file():
+            raise UsageError(
+                f"--ckpt-dir {ckpt_dir} does not say where its base checkpoint is: pass --base "
+                "DIR, or --merge-onto codes"
+            )
+        base = json.loads(saved.read_text())["init"]
+    base = pathlib.Path(base)
+    if not (base / CONFIG_FILE).is_file():
+        raise UsageError(
+            f"the run's base checkpoint {base} is gone: pass --base DIR where it is now, or "
+            "--merge-onto codes to merge onto the codes the run computed with"
+        )
+    if fingerprint(base) != Checkpointer(ckpt_dir).read_meta(step)["identity"].get("init"):
+        raise UsageError(
+            f"{base} is not the checkpoint this run started from (its fingerprint differs): "
+            "pass --base DIR of that one, or --merge-onto codes"
+        )
+    return base
+
+
+def _onto_base_kernels(model, base: pathlib.Path) -> None:
+    """Put the base checkpoint's own kernels under `model`'s adapters (a
+    plain LoRA model; in place)."""
+    from flax import nnx
+
+    from zpp_jax import hf
+    from zpp_jax.frozen import adapted_kernels
+    from zpp_jax.paths import node_at
+
+    original = dict(nnx.to_flat_state(nnx.state(hf.load(base), nnx.Param)))
+    for path in adapted_kernels(model):
+        kernel = original[tuple(k for k in path if k != "base_module")].get_value()
+        node_at(model, path[:-1]).kernel = nnx.Param(kernel)
 
 
 def _check_export(ckpt_dir: pathlib.Path, out: pathlib.Path, dtype: str, overwrite: bool) -> None:

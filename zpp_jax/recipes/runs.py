@@ -54,6 +54,7 @@ from zpp_jax.errors import (
 # the step count (a resumed run may be extended; the learning-rate schedule
 # follows the new count).
 CONFIG_FILE = "config.json"  # in --ckpt-dir: the model's Hugging Face config
+BASE_FILE = "init.json"  # in --ckpt-dir: where the --init checkpoint was
 # The files beside an --init checkpoint's weights that the model does not
 # read but its users do (the chat template, special tokens, generation
 # defaults): kept in --ckpt-dir as they are, and exported with the weights.
@@ -100,6 +101,8 @@ def save_model_config(cfg: Any, model_cfg: Any) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     if cfg.init is not None:
         shutil.copyfile(pathlib.Path(cfg.init) / CONFIG_FILE, target)
+        base = {"init": str(pathlib.Path(cfg.init).resolve())}
+        (target.parent / BASE_FILE).write_text(json.dumps(base) + "\n")
         for name in COMPANION_FILES:
             if (pathlib.Path(cfg.init) / name).is_file():
                 shutil.copyfile(pathlib.Path(cfg.init) / name, target.parent / name)

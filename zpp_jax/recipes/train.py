@@ -103,7 +103,7 @@ def make_trainer(cfg: RunConfig, model: nnx.Module | None = None) -> Trainer:
     if cfg.lora is not None:
         from zpp_jax.lora import FROZEN, add_lora
 
-        model = add_lora(model, cfg.lora, lora_targets(cfg), seed=cfg.seed)
+        model = add_lora(model, cfg.lora, lora_targets(cfg), seed=cfg.seed, alpha=cfg.lora_alpha)
         freeze = FROZEN
     return Trainer(
         model,
@@ -241,7 +241,7 @@ def check_settings(cfg: RunConfig) -> None:
         from zpp_jax.lora import add_lora
 
         abstract = nnx.eval_shape(lambda: model_class(cfg)(model_cfg, nnx.Rngs(0)))
-        add_lora(abstract, cfg.lora, lora_targets(cfg), seed=cfg.seed)
+        add_lora(abstract, cfg.lora, lora_targets(cfg), seed=cfg.seed, alpha=cfg.lora_alpha)
 
 
 def _check_host_memory(cfg: RunConfig, seq_len: int) -> None:
