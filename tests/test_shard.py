@@ -878,3 +878,61 @@ def test_weights_are_decoded_and_gradients_quantized_in_the_compute_dtype(mesh24
     # The gradient's blocks: (devices, blocks, block); the weights' are 1-D.
     gradients = [a for a, _ in calls("quantize", "zpp_quantize") if a.split(",")[0].count("x") == 3]
     assert gradients and all(a.split(",")[0].endswith("bf16>") for a in gradients), gradients
+
+
+class _DropoutBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(16, 16, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.drop(jax.nn.gelu(self.lin(x)))
+
+
+class _SplitKeyStack(nnx.Module):
+    """Layers made by `nnx.vmap` with their random keys split per layer
+    (`nnx.split_rngs`), run by `nnx.scan`: a key array, one key a layer."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=2)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return _DropoutBlock(rngs)
+
+        self.blocks = make(rngs)
+        self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def step(x, block):
+            return block(x)
+
+        return self.head(step(x, self.blocks))
+
+
+def test_a_unit_holding_keys_split_per_layer_equals_one_device():
+    """A unit whose layers carry one random key each (a key array): each
+    key is folded with the device index, and without dropout (eval) the
+    gradients are one device's to fp32 round-off; with dropout it trains."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)
+
+    def loss(model, x):
+        return jnp.mean(model(x) ** 2)
+
+    plain = _SplitKeyStack(nnx.Rngs(0, dropout=1))
+    plain.eval()
+    want = dict(nnx.to_flat_state(nnx.grad(loss)(plain, x)))
+    mesh = zpp.make_mesh(2, 4)
+    whole = zpp.shard(
+        _SplitKeyStack(nnx.Rngs(0, dropout=1)),
+        mesh,
+        zpp.ZeroPPConfig.zero3(comm_dtype=None),
+        policy=lambda path, module: isinstance(module, _SplitKeyStack),
+    )
+    whole.eval()
+    rows = jax.device_put(x, zpp.batch_sharding(mesh))
+    got = dict(nnx.to_flat_state(nnx.jit(nnx.grad(loss))(whole, rows)))
+    for key, value in want.items():
+        np.testing.assert_allclose(got[key].get_value(), value.get_value(), rtol=0, atol=1e-6)
+    whole.train()
+    assert np.isfinite(float(nnx.jit(loss)(whole, rows)))

@@ -485,5 +485,13 @@ def with_values(items, values) -> nnx.State:
 
 
 def _fold(values, is_key, index):
-    """Random keys folded with the device index; anything else as it is."""
-    return [jax.random.fold_in(x, index) if k else x for x, k in zip(values, is_key, strict=True)]
+    """Random keys folded with the device index (each key of an array of
+    them, as a layer stack splits them per layer); anything else as it is."""
+    return [_fold_keys(x, index) if k else x for x, k in zip(values, is_key, strict=True)]
+
+
+def _fold_keys(keys, index):
+    if not keys.shape:
+        return jax.random.fold_in(keys, index)
+    folded = jax.vmap(lambda key: jax.random.fold_in(key, index))(keys.reshape(-1))
+    return folded.reshape(keys.shape)
