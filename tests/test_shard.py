@@ -936,3 +936,49 @@ def test_a_unit_holding_keys_split_per_layer_equals_one_device():
         np.testing.assert_allclose(got[key].get_value(), value.get_value(), rtol=0, atol=1e-6)
     whole.train()
     assert np.isfinite(float(nnx.jit(loss)(whole, rows)))
+
+
+class _LayerWithSharedEmbed(nnx.Module):
+    def __init__(self, embed, rngs):
+        self.embed = embed  # the model's own embedding, shared
+        self.lin = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x, tokens):
+        return self.lin(x) + self.embed(tokens)
+
+
+class _SharedEmbedModel(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(32, 16, rngs=rngs)
+        self.layer = _LayerWithSharedEmbed(self.embed, rngs)
+
+    def __call__(self, tokens):
+        return self.layer(self.embed(tokens), tokens).sum(-1)
+
+
+def test_a_unit_called_inside_another_is_refused_and_the_fix_is_exact():
+    """The default units make the shared embedding a unit that the layer's
+    unit calls: refused, naming the nesting and the fix. The fix (the
+    layer alone a unit) gives one device's gradients."""
+    mesh = zpp.make_mesh(2, 4)
+    tokens = jnp.arange(16).reshape(8, 2) % 32
+    rows = jax.device_put(tokens, zpp.batch_sharding(mesh))
+
+    def loss(model, tokens):
+        return jnp.mean(model(tokens) ** 2)
+
+    exact = zpp.ZeroPPConfig.zero3(comm_dtype=None)
+    nested = zpp.shard(_SharedEmbedModel(nnx.Rngs(0)), mesh, exact)
+    with pytest.raises(zpp.UsageError, match="unit embed is called inside another unit's call"):
+        nnx.jit(loss)(nested, rows)
+    fixed = zpp.shard(
+        _SharedEmbedModel(nnx.Rngs(0)),
+        mesh,
+        exact,
+        policy=lambda path, module: isinstance(module, _LayerWithSharedEmbed),
+    )
+    got = dict(nnx.to_flat_state(nnx.jit(nnx.grad(loss))(fixed, rows)))
+    want = dict(nnx.to_flat_state(nnx.grad(loss)(_SharedEmbedModel(nnx.Rngs(0)), tokens)))
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        np.testing.assert_allclose(got[key].get_value(), value.get_value(), rtol=0, atol=1e-6)

@@ -8,8 +8,9 @@ the batch, inside a `jax.shard_map` over (`node`, `local`).
   layout of the whole batch, which one device's rows have not: dropped
   (`constraints_dropped`).
 * What cannot run there (a collective over a name nothing binds, a
-  constraint naming mesh axes) is refused with a `UsageError` that says
-  what to do: `refused_inside`.
+  constraint naming mesh axes, another unit's call) is refused with a
+  `UsageError` that says what to do: `refused_inside`, `check_not_nested`.
+* Random keys are folded with the device index: `fold_keys`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 from collections.abc import Callable, Iterator
 
 import flax.linen as nn
+import jax
 
 from zpp_jax._compat import bind_axis_name
 from zpp_jax.errors import UsageError
@@ -84,3 +86,31 @@ def refused_inside(unit: str) -> Iterator[None]:
             f"batch_axis_name={axis!r} to zpp.shard or zpp.shard_linen: its collectives then "
             "run over every device, as pmap over all of them would"
         ) from None
+
+
+def check_not_nested(unit: str, mesh) -> None:
+    """Raise UsageError for a unit called inside another unit's call (a
+    per-device program over the same devices): there each device holds its
+    own rows, and the unit cannot gather its weights over the devices."""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    if manual & set(mesh.axis_names):
+        raise UsageError(
+            f"unit {unit} is called inside another unit's call (or a shard_map over the "
+            "same devices), where each device runs on its own rows: units must not nest. Make "
+            "the outer module the unit and leave this one inside it (a policy that names the "
+            "outer one), or call this module outside the other unit"
+        )
+
+
+def fold_keys(values: list, is_key: list, index) -> list:
+    """Random keys folded with the device `index` (each key of an array of
+    them, as a layer stack splits them per layer), so that every device
+    draws its own; anything else as it is."""
+    return [_folded(x, index) if k else x for x, k in zip(values, is_key, strict=True)]
+
+
+def _folded(keys, index):
+    if not keys.shape:
+        return jax.random.fold_in(keys, index)
+    folded = jax.vmap(lambda key: jax.random.fold_in(key, index))(keys.reshape(-1))
+    return folded.reshape(keys.shape)

@@ -33,7 +33,13 @@ from zpp_jax.errors import UsageError
 from zpp_jax.frozen import FrozenSpec, frozen_layout, frozen_wire
 from zpp_jax.layer import ShardedLayer
 from zpp_jax.mesh import AXES, mesh_shape, place, spec_along
-from zpp_jax.on_device import constraints_dropped, refused_inside, with_batch_axis
+from zpp_jax.on_device import (
+    check_not_nested,
+    constraints_dropped,
+    fold_keys,
+    refused_inside,
+    with_batch_axis,
+)
 from zpp_jax.outputs import combine_named, combine_outputs
 from zpp_jax.overlap import prefetches
 from zpp_jax.overlap.relay import current_chains
@@ -202,6 +208,7 @@ def run_unit(
     Returns the outputs, the new state values and the sown values, each
     output and sown value combined over the devices by `combine_outputs`.
     """
+    check_not_nested(info.name, info.mesh)
     calls = _UNIT_CALLS.get()
     if calls is not None:
         calls.append(info.name)
@@ -298,13 +305,13 @@ class _Call:
                 values[key] = lax.stop_gradient(value) if key in self.frozen_keys else value
             if info.compute_dtype is not None:
                 values = {k: v.astype(info.compute_dtype) for k, v in values.items()}
-            given = _fold(arg_values, arg_keys, index)
+            given = fold_keys(arg_values, arg_keys, index)
             call_args, call_kwargs = close_tree(
                 nnx.merge(self.arg_def, with_values(self.arg_items, given))
             )
             with constraints_dropped():
                 out, new_state, sown = run(
-                    values, _fold(state_values, keys, index), call_args, call_kwargs
+                    values, fold_keys(state_values, keys, index), call_args, call_kwargs
                 )
             out = open_tree(out, f"unit {info.name}'s output", statics=True)
             if len(new_state) != len(state_values):
@@ -482,16 +489,3 @@ def with_values(items, values) -> nnx.State:
             for (p, v), x in zip(items, values, strict=True)
         ]
     )
-
-
-def _fold(values, is_key, index):
-    """Random keys folded with the device index (each key of an array of
-    them, as a layer stack splits them per layer); anything else as it is."""
-    return [_fold_keys(x, index) if k else x for x, k in zip(values, is_key, strict=True)]
-
-
-def _fold_keys(keys, index):
-    if not keys.shape:
-        return jax.random.fold_in(keys, index)
-    folded = jax.vmap(lambda key: jax.random.fold_in(key, index))(keys.reshape(-1))
-    return folded.reshape(keys.shape)
