@@ -24,9 +24,9 @@ from gpu_cases import CASES, CONFIGS, MODELS, SIZES
 
 from zpp_jax import LinkModel
 from zpp_jax.analysis import schedule_overlap
-from zpp_jax.analysis.links import collective_costs
 from zpp_jax.analysis.target import TARGET_CONFIG_ENV, has_cuda_plugin, target_config
 from zpp_jax.cli import main
+from zpp_jax.overlap.links import collective_costs
 
 pytestmark = pytest.mark.gpu_aot
 if not has_cuda_plugin():
@@ -344,7 +344,7 @@ def test_the_estimate_is_xlas_statistics_of_the_schedule_it_made():
 
     script = (
         "import json, pathlib, tempfile, gpu_cases as c\n"
-        "from zpp_jax.analysis.links import collective_latencies_us, collective_links\n"
+        "from zpp_jax.overlap.links import collective_latencies_us, collective_links\n"
         "from zpp_jax.analysis.schedule import read_estimate\n"
         "t = c.trainer('gpt-12-layers', 'zero3', c.h200())\n"
         "with tempfile.TemporaryDirectory() as d:\n"

@@ -4,9 +4,9 @@ errors of compiling for a GPU without what it needs."""
 import pytest
 
 from zpp_jax import LinkModel, Trainer, UsageError, make_mesh
-from zpp_jax.analysis.links import collective_costs
 from zpp_jax.analysis.target import TARGET_CONFIG_ENV, target_config
 from zpp_jax.overlap import overlap_options, platform, prefetches
+from zpp_jax.overlap.links import collective_costs
 
 
 def test_cpu_mesh_compiles_in_order_with_no_options():

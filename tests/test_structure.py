@@ -106,6 +106,19 @@ def test_the_engine_imports_nothing_above_it():
     assert {m: d for m, d in wrong.items() if d} == {}
 
 
+def test_only_the_layers_above_it_import_analysis():
+    """The engine and the training programs (`program`, `train`,
+    `baseline`, `checkpoint`) never import `zpp_jax.analysis`: it reads
+    what they compile."""
+    above = ("zpp_jax.analysis", "zpp_jax.recipes", "zpp_jax.cli", "zpp_jax")
+    importers = {
+        name
+        for name, imported in _graph().items()
+        if any(m == "zpp_jax.analysis" or m.startswith("zpp_jax.analysis.") for m in imported)
+    }
+    assert {n for n in importers if not n.startswith(above[:3]) and n != above[3]} == set()
+
+
 def test_private_jax_only_through_the_seam():
     users = {
         _module_name(p)

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from zpp_jax.analysis.links import compile_with_links
 from zpp_jax.mesh import LOCAL
+from zpp_jax.overlap.links import compile_with_links
 
 PyTree = Any
 

@@ -1,13 +1,15 @@
 """Reading compiled programs: what a step moves, keeps and overlaps.
 
-* `hlo`: the collectives of an HLO text, their bytes by the ring model,
-  across and inside nodes (`collectives_in_hlo`, `summarize`).
+* `collectives_in_hlo`, `summarize`: the collectives of an HLO text, their
+  bytes by the ring model, across and inside nodes (from
+  `zpp_jax.overlap.hlo`, which the engine's ordering reads them with too).
 * `schedule`: what each collective of a scheduled GPU program runs behind
   (`schedule_overlap`) and XLA's own estimate of the step
   (`schedule_estimate`).
 * `report`: `step_report`, all of it for a training program's step.
-* `links`: a step compiled with each collective priced on the links it
-  crosses (`compile_with_links`).
+* `compile_with_links`: a step compiled with each collective priced on
+  the links it crosses (from `zpp_jax.overlap.links`, as the engine
+  compiles its steps).
 * `flops`: a model's FLOPs (its matrix multiplies, from its jaxpr) and a
   GPU's matrix peak, for MFU (`training_flops`, `peak_matrix_flops`).
 * `target`: a mesh of GPUs that exist only as a compile target
@@ -17,8 +19,6 @@ Nothing in the engine imports this package.
 """
 
 from zpp_jax.analysis.flops import matmul_flops, peak_matrix_flops, training_flops
-from zpp_jax.analysis.hlo import Collective, CommSummary, collectives_in_hlo, summarize
-from zpp_jax.analysis.links import compile_with_links
 from zpp_jax.analysis.report import state_bytes_per_device, step_report
 from zpp_jax.analysis.schedule import (
     Scheduled,
@@ -29,6 +29,8 @@ from zpp_jax.analysis.schedule import (
     unhideable_by_kind,
 )
 from zpp_jax.analysis.target import has_cuda_plugin, target_mesh
+from zpp_jax.overlap.hlo import Collective, CommSummary, collectives_in_hlo, summarize
+from zpp_jax.overlap.links import compile_with_links
 
 __all__ = [
     "Collective",

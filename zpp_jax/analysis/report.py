@@ -16,8 +16,6 @@ from pathlib import Path
 
 import jax
 
-from zpp_jax.analysis.hlo import has_loop, summarize
-from zpp_jax.analysis.links import collective_latencies_us, collective_links
 from zpp_jax.analysis.schedule import (
     overlap_by_kind,
     read_estimate,
@@ -26,6 +24,8 @@ from zpp_jax.analysis.schedule import (
 )
 from zpp_jax.mesh import mesh_shape
 from zpp_jax.overlap import schedules_overlap
+from zpp_jax.overlap.hlo import has_loop, summarize
+from zpp_jax.overlap.links import collective_latencies_us, collective_links
 
 
 def step_report(trainer, batch: dict) -> dict:

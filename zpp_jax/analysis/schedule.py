@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from zpp_jax.analysis.flops import peak_matrix_flops
-from zpp_jax.analysis.hlo import (
+from zpp_jax.overlap.hlo import (
     INSTRUCTION,
     KINDS,
     callees,
@@ -223,7 +223,7 @@ class ScheduleEstimate:
     The kernels' times are the scheduler's (derived from the target's
     description), but for the Pallas calls (above), and each collective's
     is the price it was scheduled with (the link model,
-    `zpp_jax.analysis.links`): nothing was run.
+    `zpp_jax.overlap.links`): nothing was run.
 
     Only for a program without loops: a loop's body would count once.
 
@@ -264,9 +264,9 @@ def schedule_estimate(
     ``*.schedule.txt`` that ``xla_dump_latency_hiding_schedule`` writes),
     with `latency_us` the time each asynchronous collective takes, by the
     name XLA's scheduler knows its start by (the latency profile it was
-    given: `zpp_jax.analysis.links.collective_latencies_us`), and `link_of`
+    given: `zpp_jax.overlap.links.collective_latencies_us`), and `link_of`
     the link each crosses, by the same names
-    (`zpp_jax.analysis.links.collective_links`; absent names, or no
+    (`zpp_jax.overlap.links.collective_links`; absent names, or no
     `link_of`, count as one link "link").
 
     The schedule is walked in order as XLA's scheduler statistics walk

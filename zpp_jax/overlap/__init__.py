@@ -7,6 +7,11 @@ against its compute, and nothing of the math.
   against each other's compute, its ties, and the chain of the current
   trace (`relay_scope`).
 * `loops`: layer loops unrolled so that their units join one relay chain.
+* `hlo`: the collectives of a compiled program's HLO text, their bytes and
+  the links they cross; `links`: a step compiled with each collective
+  priced on its links (`compile_with_links`), so that XLA's scheduler
+  orders them by what they cost. `zpp_jax.analysis` reads programs with
+  the same reader.
 
 The engine core (`zpp_jax.layer`, `zpp_jax.unit`) calls it through hooks;
 nothing here changes a value.

@@ -11,7 +11,7 @@ for whether its sharded units let their gathers run ahead (`prefetch`):
   prefetch: their gathers wait for nothing but the shard.
 * XLA's scheduler gives every asynchronous collective the same latency
   (its approximate estimator), whatever its bytes and whichever links it
-  crosses. `zpp_jax.analysis.links.compile_with_links` compiles a step once more with a latency
+  crosses. `zpp_jax.overlap.links.compile_with_links` compiles a step once more with a latency
   profile that prices each collective on the links it crosses
   (`LinkModel`), as `Trainer.compile_step` does.
 * XLA:CPU runs a program in order and its collectives synchronously: no

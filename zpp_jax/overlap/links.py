@@ -14,8 +14,8 @@ import os
 import sys
 import tempfile
 
-from zpp_jax.analysis.hlo import collectives_in_hlo, scheduling_names
-from zpp_jax.overlap import LinkModel
+from zpp_jax.overlap.hlo import collectives_in_hlo, scheduling_names
+from zpp_jax.overlap.options import LinkModel
 
 
 def collective_latencies_us(hlo_text: str, local: int, links: LinkModel) -> dict[str, float]:
