@@ -545,3 +545,18 @@ def test_zpp_train_fine_tunes_on_conversations(tmp_path, capfd):
     )
     ids = generate(hf.load(out), tokenizer.encode_text(rendered), 6, eos_id=3)
     assert capfd.readouterr().out == tokenizer.decode(ids) + "\n"
+
+
+def test_a_huge_record_is_tokenized_only_as_far_as_a_row_reaches(tmp_path):
+    """A record of a million characters, encoded for rows of 17 tokens:
+    its first 17 tokens are those of the whole text, and what is tokenized
+    is bounded by the tokenizer's longest token per token, not the text."""
+    _, _, tokenizer = write_chat(tmp_path)
+    text = "add two and three 5 " * 50_000
+    record = {"prompt": "add", "completion": text}
+    ((whole, _),) = encode_records([record], tokenizer, 3)
+    ((cut, learned),) = encode_records([record], tokenizer, 3, max_tokens=17)
+    np.testing.assert_array_equal(cut[:17], whole[:17])
+    longest = int(np.max(tokenizer.token_bytes))
+    assert 17 <= len(cut) <= 18 * longest + 2 and len(whole) > 100_000
+    assert learned[len(tokenizer.encode_text("add", special=True)) :].all()

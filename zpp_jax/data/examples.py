@@ -94,17 +94,27 @@ def record_text(record: dict) -> str:
 
 
 def encode_records(
-    records: list[dict], tokenizer, eos_id: int | None, chat: ChatTemplate | None = None
+    records: list[dict],
+    tokenizer,
+    eos_id: int | None,
+    chat: ChatTemplate | None = None,
+    max_tokens: int | None = None,
 ) -> list[tuple]:
     """Each record as (ids, learned): int32 token ids and a bool per id,
     True where the model should learn to write it. Conversations need
     `chat`, the checkpoint's template; each of its pieces is encoded on
-    its own (`ChatTemplate.pieces`).
+    its own (`ChatTemplate.pieces`). With `max_tokens` (a row's tokens), a
+    text is tokenized only as far as that many tokens can reach (the
+    tokenizer's longest token, in characters, per token): a huge record
+    costs memory for what a row uses, not for all of it.
 
     Raises:
       UsageError: a conversation without a chat template.
     """
     eos = np.asarray([] if eos_id is None else [eos_id], np.int32)
+    if max_tokens is not None:
+        chars = (max_tokens + 1) * max(1, int(np.max(tokenizer.token_bytes)))
+        records = [_cut(record, chars) for record in records]
     out = []
     for record in records:
         if "messages" in record:
@@ -122,13 +132,26 @@ def encode_records(
     return out
 
 
-def _encoded_chat(messages: list[dict], tokenizer, chat: ChatTemplate | None) -> tuple:
-    if chat is None:
+def _cut(record: dict, chars: int) -> dict:
+    """`record` with each text cut to `chars` characters."""
+    if "messages" in record:
+        return {"messages": [{**m, "content": m["content"][:chars]} for m in record["messages"]]}
+    return {k: v[:chars] for k, v in record.items()}
+
+
+def check_chat(records: list[dict], chat: ChatTemplate | None) -> None:
+    """Raise UsageError if `records` hold a conversation and there is no
+    chat template to render it with."""
+    if chat is None and any("messages" in r for r in records):
         raise UsageError(
             'a {"messages": ...} record is a conversation, rendered with the checkpoint\'s chat '
             "template: --init a checkpoint whose tokenizer_config.json has a chat_template "
             "(or a chat_template.jinja), or write the records as prompt and completion"
         )
+
+
+def _encoded_chat(messages: list[dict], tokenizer, chat: ChatTemplate | None) -> tuple:
+    check_chat([{"messages": messages}], chat)
     # The template writes the special tokens (a BOS) itself.
     pieces = [(tokenizer.encode_text(text), learned) for text, learned in chat.pieces(messages)]
     ids = np.concatenate([ids for ids, _ in pieces]).astype(np.int32)

@@ -13,7 +13,13 @@ from typing import Any
 from zpp_jax.data import TokenDataset, TokenFiles, Tokenizer, expand, make_tokenizer, read_text
 from zpp_jax.data.chat import load_chat_template
 from zpp_jax.data.corpus import is_token_files, stdlib_corpus
-from zpp_jax.data.examples import ExampleDataset, encode_records, read_records, record_text
+from zpp_jax.data.examples import (
+    ExampleDataset,
+    check_chat,
+    encode_records,
+    read_records,
+    record_text,
+)
 from zpp_jax.errors import UsageError
 
 VAL_FRACTION = 0.05
@@ -87,8 +93,8 @@ def _is_jsonl(files: list[pathlib.Path]) -> bool:
 
 @dataclasses.dataclass
 class Examples:
-    """Fine-tuning examples (`zpp_jax.data.examples`), encoded: the
-    `Corpus` interface."""
+    """Fine-tuning examples (`zpp_jax.data.examples`), the `Corpus`
+    interface: the records, encoded for a sequence length by `dataset`."""
 
     tokenizer: Tokenizer
     train: list
@@ -96,9 +102,17 @@ class Examples:
     fingerprint: dict
     source: str
     pad_id: int
+    eos: int | None = None
+    chat: Any = None  # the checkpoint's ChatTemplate, for conversations
 
     def dataset(self, seq_len: int, vocab_size: int) -> ExampleDataset:
-        return ExampleDataset(self.train, self.val, seq_len, vocab_size, self.pad_id)
+        """The records encoded, each only as far as a row of `seq_len` + 1
+        tokens can use (`encode_records`' `max_tokens`)."""
+        encoded = [
+            encode_records(records, self.tokenizer, self.eos, self.chat, max_tokens=seq_len + 1)
+            for records in (self.train, self.val)
+        ]
+        return ExampleDataset(*encoded, seq_len, vocab_size, self.pad_id)
 
 
 def _examples(cfg, train_files, val_files, saved) -> Examples:
@@ -122,13 +136,16 @@ def _examples(cfg, train_files, val_files, saved) -> Examples:
     digest = hashlib.sha256()
     for file in [*train_files, *(val_files or [])]:
         digest.update(file.read_bytes())
+    check_chat(records + val_records, chat)
     return Examples(
         tokenizer,
-        encode_records(records, tokenizer, eos, chat),
-        encode_records(val_records, tokenizer, eos, chat),
+        records,
+        val_records,
         {"examples": len(records) + len(val_records), "sha256": digest.hexdigest()},
         f"{len(records) + len(val_records)} fine-tuning examples",
         0 if eos is None else eos,
+        eos,
+        chat,
     )
 
 
