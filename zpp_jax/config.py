@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from zpp_jax.errors import UsageError, count
 from zpp_jax.fields import option
@@ -359,3 +359,19 @@ def _check_block(name: str, value, int4: bool) -> None:
             f"{name}={value} is odd, but 4-bit codes are packed two per byte within a "
             f"block; use an even {name}"
         )
+
+
+def check_block_sizes(config: ZeroPPConfig, sizes: Sequence[int]) -> None:
+    """Raise UsageError when a quantization block is larger than the
+    largest of the parameters (`sizes`, in elements): every tensor would
+    be padded up to one block, for no accuracy."""
+    largest = max(sizes, default=0)
+    for name, on, value in (
+        ("block_size", config.quantize_weights, config.block_size),
+        ("gradient_block_size", config.quantize_gradients, config.grad_block),
+    ):
+        if on and value > largest:
+            raise UsageError(
+                f"{name}={value:,} is larger than the model's largest parameter ({largest:,} "
+                f"elements): every tensor would be padded up to one block; use at most {largest:,}"
+            )

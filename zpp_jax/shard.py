@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from zpp_jax.config import ZeroPPConfig
+from zpp_jax.config import ZeroPPConfig, check_block_sizes
 from zpp_jax.errors import UsageError
 from zpp_jax.frozen import FrozenParam, FrozenWeights, call_operands, freeze_unit
 from zpp_jax.mesh import AXES, mesh_shape, on_mesh
@@ -63,7 +63,6 @@ from zpp_jax.partition import quant_float_dtypes
 from zpp_jax.paths import is_container, node_at, set_at
 from zpp_jax.unit import (
     UnitInfo,
-    check_block_sizes,
     check_units,
     run_unit,
     unit_infos,

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax._compat import is_tracer
-from zpp_jax.config import ZeroPPConfig
+from zpp_jax.config import ZeroPPConfig, check_block_sizes
 from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, place, shard_dim
 from zpp_jax.metadata import (
@@ -50,7 +50,6 @@ from zpp_jax.overlap.relay import relay_scope
 from zpp_jax.partition import quant_float_dtypes
 from zpp_jax.unit import (
     UnitInfo,
-    check_block_sizes,
     check_units,
     expect_units,
     run_unit,

@@ -53,6 +53,7 @@ from zpp_jax.pytrees import (
     static_leaves,
     write_back,
 )
+from zpp_jax.rows import check_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,22 +128,6 @@ def check_units(units: Sequence[tuple], fix: str) -> None:
                     f"units overlap: {_name(a)} contains {_name(b)}; a unit's weights are "
                     "gathered for its whole call, so units must be disjoint submodules"
                 )
-
-
-def check_block_sizes(config: ZeroPPConfig, sizes: Sequence[int]) -> None:
-    """Raise UsageError when a quantization block is larger than the
-    largest of the parameters (`sizes`, in elements): every tensor would
-    be padded up to one block, for no accuracy."""
-    largest = max(sizes, default=0)
-    for name, on, value in (
-        ("block_size", config.quantize_weights, config.block_size),
-        ("gradient_block_size", config.quantize_gradients, config.grad_block),
-    ):
-        if on and value > largest:
-            raise UsageError(
-                f"{name}={value:,} is larger than the model's largest parameter ({largest:,} "
-                f"elements): every tensor would be padded up to one block; use at most {largest:,}"
-            )
 
 
 def _name(path: tuple) -> str:
@@ -281,9 +266,30 @@ class _Call:
                 f"the {n} devices; use a global batch that is a multiple of {n}"
             )
         self.local_batch = None if self.batch is None else self.batch // n
+        self.kinds = [kind for _, kind in state]
         self.keys = [kind == "key" for _, kind in state]
         self.per_row = [kind == "cache" and self._is_rows(v) for v, kind in state]
         self.arg_keys = [isinstance(v, nnx.RngKey) for _, v in self.arg_items]
+
+    def _check_rows(self, run: Run, inputs: tuple) -> None:
+        """Refuse code that reduces over this device's rows uncombined
+        (`zpp_jax.rows.check_rows`): a second trace of the unit's code."""
+
+        def probe(values, state_values, arg_values):
+            call = close_tree(nnx.merge(self.arg_def, with_values(self.arg_items, arg_values)))
+            out, new_state, _ = run(values, state_values, *call)
+            arrays = [x for x in jax.tree.leaves(out) if hasattr(x, "shape")]
+            return arrays, new_state
+
+        values, _, _ = inputs
+        rows = (
+            {k: False for k in values},
+            list(self.per_row),
+            [self._is_rows(v) for _, v in self.arg_items],
+        )
+        # A model's own batch axis name is bound to the devices as well.
+        axes = (*self.info.mesh.axis_names, self.info.batch_axis_name)
+        check_rows(self.info.name, probe, inputs, rows, self.local_batch, self.kinds, axes)
 
     def _is_rows(self, x) -> bool:
         """Whether `x` holds one row per example of the batch."""
@@ -306,13 +312,14 @@ class _Call:
             if info.compute_dtype is not None:
                 values = {k: v.astype(info.compute_dtype) for k, v in values.items()}
             given = fold_keys(arg_values, arg_keys, index)
+            folded = fold_keys(state_values, keys, index)
+            with constraints_dropped():
+                self._check_rows(run, (values, folded, given))
             call_args, call_kwargs = close_tree(
                 nnx.merge(self.arg_def, with_values(self.arg_items, given))
             )
             with constraints_dropped():
-                out, new_state, sown = run(
-                    values, fold_keys(state_values, keys, index), call_args, call_kwargs
-                )
+                out, new_state, sown = run(values, folded, call_args, call_kwargs)
             out = open_tree(out, f"unit {info.name}'s output", statics=True)
             if len(new_state) != len(state_values):
                 raise UsageError(
