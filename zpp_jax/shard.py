@@ -22,6 +22,8 @@ Inside a unit call each device runs the unit's code on its rows of the batch:
   combines ("mean", "sum": exact for a mean or a sum over the rows);
 * decoding caches (`nnx.Cache`) with the batch's leading axis are split
   with it;
+* code that reduces over the rows without combining the result over the
+  devices (a batch norm of one's own) is refused (`zpp_jax.rows`);
 * `nnx.BatchNorm` inside a unit averages its statistics over all devices, so
   they equal the statistics of the global batch;
 * random streams give every device its own key (folded with the device
