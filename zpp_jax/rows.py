@@ -200,6 +200,8 @@ def check_rows(unit: str, probe, inputs: tuple, rows: tuple, local_batch, kinds,
     batch axis (`local_batch` rows) or into state every device must hold
     alike (`kinds`: each new state value's kind, "state" for those).
     `rows`: `inputs`' structure, True where an input holds rows."""
+    if not any(jax.tree.leaves(rows)):
+        return  # no input holds rows: nothing can mix them, and no second trace
     closed = jax.make_jaxpr(probe)(*inputs)
     found = mixed_rows(closed, jax.tree.leaves(rows), axes)
     outputs = closed.out_avals[: len(closed.out_avals) - len(kinds)]

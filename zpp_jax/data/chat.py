@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import pathlib
 
@@ -48,7 +49,7 @@ class ChatTemplate:
         import jinja2
 
         try:
-            return _compiled(self.source).render(
+            return self._compiled.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
@@ -58,6 +59,11 @@ class ChatTemplate:
             raise UsageError(f"{self.where}: {e}") from None
         except UsageError as e:  # the template's raise_exception
             raise UsageError(f"{self.where} refuses the conversation: {e}") from None
+
+    @functools.cached_property
+    def _compiled(self):
+        """The template compiled once, for every render of every record."""
+        return _compiled(self.source)
 
     def pieces(self, messages: list[dict]) -> list[tuple[str, bool]]:
         """The rendered conversation cut into (text, the assistant's?)
