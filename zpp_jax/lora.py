@@ -74,9 +74,9 @@ def add_lora(
             "('q', 'v') or ['gate']"
         )
     layers = _linear_layers(model, targets)
-    names = sorted({name for _, name, _ in _linear_layers(model, None)})
     missing = [t for t in targets if t not in {name for _, name, _ in layers}]
     if missing:
+        names = sorted({name for _, name, _ in _linear_layers(model, None)})
         raise UsageError(
             f"no linear layer named {', '.join(missing)} in {type(model).__name__}: name the "
             "model's nnx.Linear attributes to adapt with --lora-targets (it has "

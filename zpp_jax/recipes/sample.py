@@ -96,14 +96,14 @@ def _pick(logits: jax.Array, temperature: float, key) -> int:
     return int(jax.random.categorical(key, logits.astype(jnp.float32) / temperature))
 
 
-def _prompt_ids(directory: pathlib.Path, tokenizer, prompt: str, chat: bool) -> np.ndarray:
+def _prompt_ids(
+    directory: pathlib.Path, tokenizer, prompt: str, chat: bool, template
+) -> np.ndarray:
     """The prompt's ids: its text with the tokenizer's added tokens, or with
-    `chat`, the chat template's rendering of it as a user's message."""
+    `chat`, the run's chat `template`'s rendering of it as a user's message
+    (a `ChatTemplate`; None where the run has none)."""
     if not chat:
         return tokenizer.encode_text(prompt, special=True)
-    from zpp_jax.data.chat import load_chat_template
-
-    template = load_chat_template(directory)
     if template is None:
         raise UsageError(
             f"--chat: --ckpt-dir {directory} has no chat template (tokenizer_config.json's "
@@ -113,11 +113,9 @@ def _prompt_ids(directory: pathlib.Path, tokenizer, prompt: str, chat: bool) -> 
     return tokenizer.encode_text(text)  # the template writes the special tokens
 
 
-def _stop_ids(directory: pathlib.Path, tokenizer) -> set[int]:
+def _stop_ids(directory: pathlib.Path, tokenizer, template) -> set[int]:
     """The ids that end a reply: config.json's and generation_config.json's
-    ``eos_token_id`` (an id or a list) and the chat template's end token."""
-    from zpp_jax.data.chat import load_chat_template
-
+    ``eos_token_id`` (an id or a list) and the chat `template`'s end token."""
     stops = set()
     for name in ("config.json", "generation_config.json"):
         if (directory / name).is_file():
@@ -125,7 +123,6 @@ def _stop_ids(directory: pathlib.Path, tokenizer) -> set[int]:
             stops.update(
                 v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)
             )
-    template = load_chat_template(directory)
     if template is not None and template.eos_token:
         end = tokenizer.token_id(template.eos_token)
         stops.update([] if end is None else [end])
@@ -170,6 +167,7 @@ def sample_run(
       UsageError: a missing run, a tokenizer.json gone, `chat` without a
         chat template, or more tokens than the model's positions.
     """
+    from zpp_jax.data.chat import load_chat_template
     from zpp_jax.data.tokenizer import ByteTokenizer, load_tokenizer
     from zpp_jax.hf.config import read_config
     from zpp_jax.hf.model import llama_config
@@ -183,8 +181,9 @@ def sample_run(
     if not file.is_file():
         _check_bytes_run(directory, step)
     tokenizer = load_tokenizer(file) if file.is_file() else ByteTokenizer()
-    ids = _prompt_ids(directory, tokenizer, prompt, chat)
-    eos, length = _stop_ids(directory, tokenizer), None
+    template = load_chat_template(directory)  # read once, for the prompt and the stops
+    ids = _prompt_ids(directory, tokenizer, prompt, chat, template)
+    eos, length = _stop_ids(directory, tokenizer, template), None
     if (directory / CONFIG_FILE).is_file():  # a Llama: any length within its positions
         context = llama_config(read_config(directory)).seq_len
         length = len(ids) + max_tokens
