@@ -215,6 +215,52 @@ def test_writes_into_a_dict_argument_reach_the_caller(mesh24):
     _assert_close(losses, want, grads, want_grads)
 
 
+class NormActBlock(nn.Module):
+    """flaxmodels' ResNet block pattern with Linen's own BatchNorm (no axis
+    name): its activation written into a dict passed down the call."""
+
+    @nn.compact
+    def __call__(self, x, act: dict, train: bool = True):
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(nn.Dense(D)(x))
+        act[self.name] = x
+        return nn.relu(x)
+
+
+class NormActNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        act = {}
+        for i in range(2):
+            x = NormActBlock(name=f"block_{i}")(x, act, train)
+        act["head"] = nn.Dense(D, name="head")(x)
+        return act
+
+
+def test_a_batch_norm_without_an_axis_name_with_dict_writes_equals_one_device(mesh24):
+    """Each block a unit that normalises over its batch and writes its
+    activation into the caller's dict: the activations, the gradients and
+    the updated running statistics equal one device's."""
+    x = _batch(0)["x"]
+    module = NormActNet()
+    variables = module.init(jax.random.key(0), x)
+
+    def loss(variables, x, apply):
+        act, updates = apply(variables, x, mutable=["batch_stats"])
+        assert sorted(act) == ["block_0", "block_1", "head"]
+        return jnp.mean(act["head"] ** 2) + 0.1 * jnp.mean(act["block_0"] ** 2), updates
+
+    step = jax.jit(jax.grad(loss, has_aux=True), static_argnums=2)
+    want = step(variables, x, module.apply)
+    model, sharded = zpp.shard_linen(module, variables, mesh24, EXACT)
+    got = step(sharded, jax.device_put(x, zpp.batch_sharding(mesh24)), model.apply)
+    flat_want, flat_got = jax.tree.leaves_with_path(want), jax.tree.leaves(got)
+    # 14 gradients (the running statistics' among them, zero) and 4 statistics
+    assert len(flat_want) == len(flat_got) == 18
+    for (path, w), g in zip(flat_want, flat_got, strict=True):
+        err = jax.tree_util.keystr(path)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-6, err_msg=err)
+
+
 class NestedWriter(nn.Module):
     @nn.compact
     def __call__(self, x, act: dict):
