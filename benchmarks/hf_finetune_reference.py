@@ -13,7 +13,12 @@ It checks what a user of the export relies on:
    the base's;
 4. the chat template's rendering, ours against ``apply_chat_template``;
 5. greedy tokens: ``zpp sample --chat`` against transformers' ``generate``
-   on the exported model, from the same rendered prompt.
+   on the exported model, from the same rendered prompt;
+6. logits, for each frozen base (int8, int4, unquantized): the trained
+   model's in zpp against transformers' on its export with
+   ``--merge-onto codes`` (exactly what was trained), over a sequence four
+   times the training length; and how far the default export (merged onto
+   the base's own kernels) moves them.
 
 torch and transformers run in another Python (``--torch-python``, a
 virtual environment with both; they are not dependencies of zpp-jax).
@@ -29,10 +34,12 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import pages
 
 SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -46,6 +53,8 @@ TEMPLATE = (
 )
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 PROMPTS = ["add two and three", "add nine and nine", "add zero and four"]
+FROZEN = ["8", "4", "none"]  # --frozen-bits; the round trip's checks use the first
+LOGIT_TOKENS = 128  # four times the training --seq: the base's whole context
 
 # Runs in the torch Python: `save` writes the base, `check` reads the export.
 TORCH_SIDE = r"""
@@ -74,6 +83,16 @@ if mode == "save":
     tok.save_pretrained(root / "base")
     print(json.dumps({"transformers": __import__("transformers").__version__,
                       "torch": torch.__version__}))
+elif mode == "logits":
+    import numpy as np
+    ids = torch.tensor(np.load(root / "ids.npy"))[None]
+    found = {}
+    for name in spec["logit_exports"]:
+        model = AutoModelForCausalLM.from_pretrained(root / name, dtype=torch.float32)
+        with torch.no_grad():
+            found[name] = model(ids).logits[0].numpy()
+    np.savez(root / "torch_logits.npz", **found)
+    print(json.dumps({"written": sorted(found)}))
 else:
     out = root / "exported"
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
@@ -167,9 +186,100 @@ def _write_inputs(root: pathlib.Path) -> dict:
         "template": TEMPLATE,
         "prompts": PROMPTS,
         "max_tokens": 8,
+        "logit_exports": [f"{bits}_{onto}" for bits in FROZEN for onto in ("codes", "base")],
     }
     (root / "spec.json").write_text(json.dumps(spec))
     return spec
+
+
+def _train_and_export(root: pathlib.Path, bits: str) -> str:
+    """`zpp train --lora 8 --frozen-bits BITS` on the conversations, exported
+    merged onto the base (``BITS_base``) and onto the codes
+    (``BITS_codes``); the run's directory."""
+    run = str(root / f"run_{bits}")
+    train = ["train", "--init", str(root / "base"), "--data", str(root / "chat.jsonl")]
+    train += ["--lora", "8", "--frozen-bits", bits, "--seq", "32", "--batch", "8"]
+    train += ["--steps", "150", "--lr", "1e-2", "--ckpt-dir", run, "--quiet", "--eval-every", "0"]
+    _zpp(*train)
+    for onto in ("base", "codes"):
+        out = str(root / f"{bits}_{onto}")
+        _zpp("export", "--ckpt-dir", run, "--hf", out, "--dtype", "float32", "--merge-onto", onto)
+    return run
+
+
+def _zpp_logits(run: str, ids) -> object:
+    """The trained model's logits over `ids`, in this process, computed in
+    float32 (the run computed in bfloat16; transformers reads the export
+    in float32)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from zpp_jax.recipes.export import restore_run_model
+    from zpp_jax.sharded import unshard
+
+    model, _, _ = restore_run_model(run, seq_len=len(ids))
+    model = unshard(model)
+    for _, module in model.iter_modules():
+        if isinstance(getattr(module, "dtype", None), (str, type(jnp.float32))):
+            module.dtype = "float32"
+    assert all(
+        getattr(m, "dtype", "float32") in ("float32", jnp.float32) for _, m in model.iter_modules()
+    ), "a module still computes in another dtype"
+    return np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(ids)[None])[0], np.float32)
+
+
+def _kernel_changes(root: pathlib.Path, bits: str) -> dict:
+    """Over the adapted kernels, medians of ‖decoded codes - base‖ / ‖base‖
+    (the frozen base's quantization error) and ‖scale·B·A‖ / ‖base‖ (what
+    training added), read from the two exports and the base."""
+    from safetensors.numpy import load_file
+
+    base = load_file(root / "base" / "model.safetensors")
+    codes = load_file(root / f"{bits}_codes" / "model.safetensors")
+    onto_base = load_file(root / f"{bits}_base" / "model.safetensors")
+    quant, update = [], []
+    for name in (n for n in base if "_proj" in n):
+        norm = np.linalg.norm(base[name])
+        quant.append(np.linalg.norm(codes[name] - onto_base[name]) / norm)
+        update.append(np.linalg.norm(onto_base[name] - base[name]) / norm)
+    return {"quantization_error": float(np.median(quant)), "update": float(np.median(update))}
+
+
+def _log_probs(logits):
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def _logit_rows(python: str, root: pathlib.Path, runs: dict) -> list:
+    """Per frozen base: zpp's logits against transformers' on each export."""
+    ids = np.random.default_rng(0).integers(4, 320, LOGIT_TOKENS).astype(np.int64)
+    np.save(root / "ids.npy", ids)
+    _torch(python, "logits", root)
+    theirs = np.load(root / "torch_logits.npz")
+    rows = []
+    for bits, run in runs.items():
+        ours = _zpp_logits(run, ids)
+        changes = _kernel_changes(root, bits)
+        scale = float(np.abs(ours).max())
+        for onto in ("codes", "base"):
+            diff = np.abs(theirs[f"{bits}_{onto}"] - ours)
+            prob_diff = np.abs(_log_probs(theirs[f"{bits}_{onto}"]) - _log_probs(ours))
+            rows.append(
+                {
+                    "frozen_bits": bits,
+                    "merge_onto": onto,
+                    "tokens": LOGIT_TOKENS,
+                    "max_abs_logit": scale,
+                    "max_abs_diff": float(diff.max()),
+                    "max_rel_diff": float(diff.max() / scale),
+                    "max_log_prob_diff": float(prob_diff.max()),
+                    "kernels": changes,
+                    "argmax_equal": float(
+                        np.mean(theirs[f"{bits}_{onto}"].argmax(-1) == ours.argmax(-1))
+                    ),
+                }
+            )
+    return rows
 
 
 def run_round_trip(python: str, root: pathlib.Path) -> dict:
@@ -178,12 +288,9 @@ def run_round_trip(python: str, root: pathlib.Path) -> dict:
 
     spec = _write_inputs(root)
     versions = _torch(python, "save", root)
-    run = str(root / "run")
-    train = ["train", "--init", str(root / "base"), "--data", str(root / "chat.jsonl")]
-    train += ["--lora", "8", "--seq", "32", "--batch", "8", "--steps", "150", "--lr", "1e-2"]
-    train += ["--ckpt-dir", run, "--quiet", "--eval-every", "0"]
-    _zpp(*train)
-    _zpp("export", "--ckpt-dir", run, "--hf", str(root / "exported"), "--dtype", "float32")
+    runs = {bits: _train_and_export(root, bits) for bits in FROZEN}
+    run = runs[FROZEN[0]]
+    shutil.copytree(root / f"{FROZEN[0]}_base", root / "exported")
     theirs = _torch(python, "check", root)
     ours = load_chat_template(root / "exported")
     replies = {}
@@ -204,6 +311,7 @@ def run_round_trip(python: str, root: pathlib.Path) -> dict:
         "untouched_exact": theirs["exact"],
         "template_equal": {p: rendered[p] == theirs["rendered"][p] for p in PROMPTS},
         "replies": {p: {"zpp": replies[p], "transformers": theirs["replies"][p]} for p in PROMPTS},
+        "logits": _logit_rows(python, root, runs),
         "base_config": base,
         "spec": spec,
     }
@@ -226,13 +334,28 @@ def _page(report: dict, made: dict) -> str:
         [f"`{p}`", f"`{r['zpp']}`", f"`{r['transformers']}`", str(r["zpp"] == r["transformers"])]
         for p, r in report["replies"].items()
     ]
+    logits = [
+        [
+            r["frozen_bits"],
+            r["merge_onto"],
+            f"{r['max_abs_logit']:.2f}",
+            f"{r['max_abs_diff']:.2e}",
+            f"{r['max_rel_diff']:.1e}",
+            f"{r['max_log_prob_diff']:.2e}",
+            f"{r['argmax_equal']:.3f}",
+            f"{r['kernels']['quantization_error']:.1e}",
+            f"{r['kernels']['update']:.2f}",
+        ]
+        for r in report["logits"]
+    ]
     return (
         "# A LoRA fine-tune round trip through transformers\n\n"
         f"Made by `{made['command']}`. {pages.machine_line(made['machine'])} "
         f"transformers {versions['transformers']}, torch {versions['torch']}.\n\n"
         "A tied-embedding Llama with llama3 rope scaling (128 positions) and its BPE "
         "tokenizer with Llama 3 Instruct's chat template, saved by transformers; "
-        "`zpp train --lora 8` over the int8 base on 64 conversations (150 steps, 32 tokens); "
+        "`zpp train --lora 8` over the int8 base on 64 conversations (150 steps, 32 tokens), "
+        "and the same over an int4 and an unquantized base for the logits below; "
         "`zpp export --dtype float32` (the adapters merged onto the base's own kernels, the "
         "default); loaded back by transformers. Data: "
         "[hf_finetune.json](hf_finetune.json).\n\n"
@@ -240,6 +363,33 @@ def _page(report: dict, made: dict) -> str:
         + "\n\nGreedy replies, `zpp sample --chat` against transformers' `generate` on the "
         "export (special tokens dropped):\n\n"
         + pages.table(["prompt", "zpp sample --chat", "transformers", "equal"], replies)
+        + "\n\nLogits over "
+        f"{LOGIT_TOKENS} random tokens (the base's whole context, four times the training "
+        "length), for a run over each frozen base (`--frozen-bits`): the trained model in "
+        "zpp (the run's checkpoint, unsharded) against transformers on its export. "
+        "Both in float32 (the run computed in bfloat16). `codes`: `zpp export --merge-onto "
+        "codes`, the adapters merged onto the codes the run computed with, which is the "
+        "trained model, so the difference is float32 round-off; `base`: the default "
+        "export, merged onto the base's own kernels, so "
+        "the difference is what the frozen base's quantization changed (zero for `none`). "
+        "Argmax equal: the fraction of positions whose greedy token agrees. The last two "
+        "columns are medians over the adapted kernels, relative to the base kernel's norm: "
+        "the decoded codes' distance from it, and the merged update scale·B·A (this small "
+        "model's adapters outgrow their kernels at this learning rate).\n\n"
+        + pages.table(
+            [
+                "frozen bits",
+                "merged onto",
+                "largest logit",
+                "max abs diff",
+                "relative",
+                "max log-prob diff",
+                "argmax equal",
+                "kernels' quantization error",
+                "adapters' update",
+            ],
+            logits,
+        )
         + "\n"
     )
 
