@@ -25,7 +25,7 @@ from pallas_kernels._reference import (
     qmax,
     unpack_int4,
 )
-from pallas_kernels.dequantize import dequantize
+from pallas_kernels.dequantize import dequantize, dequantize_runs
 from pallas_kernels.quantize import quantize
 from pallas_kernels.reorder import quantize_reordered, quantize_reordered_with_feedback
 from pallas_kernels.requantize import dequantize_sum_quantize
@@ -37,6 +37,7 @@ __all__ = [
     "SUPPORTED_BITS",
     "QuantizedBlocks",
     "dequantize",
+    "dequantize_runs",
     "dequantize_sum_quantize",
     "effective_block_size",
     "num_blocks",

@@ -267,6 +267,18 @@ def dequantize(
     return x.astype(dtype)
 
 
+def dequantize_runs(
+    q: QuantizedBlocks, bits: int, runs: tuple[int, ...], dtype: jnp.dtype = jnp.float32
+) -> tuple[jax.Array, ...]:
+    """`dequantize` of blocks holding consecutive runs of `runs[i]` blocks
+    each (they sum to the blocks of `q`): one array per run, ``(...,
+    runs[i] x elements per block)``."""
+    block = block_of(q, bits)
+    whole = dequantize(q, bits, sum(runs) * block, dtype)
+    bounds = [block * sum(runs[:i]) for i in range(1, len(runs))]
+    return tuple(jnp.split(whole, bounds, axis=-1))
+
+
 def dequantize_sum_quantize(
     q: QuantizedBlocks,
     bits: int,

@@ -336,6 +336,69 @@ def dequantize(q: QuantizedBlocks, bits: int, size: int, dtype, interpret: bool)
     return _unblock(out, bits, lead, nb, c, size)
 
 
+def _pow2_dividing(n: int, at_most: int) -> int:
+    """The largest power of two dividing `n` (any, for 0), at most `at_most`."""
+    return at_most if n == 0 else min(n & -n, at_most)
+
+
+def _dequantize_runs_kernel(bits, dtype, tiles, c_ref, s_ref, *o_refs):
+    # Tile `step` of the blocks belongs to one run: only that run's output
+    # is written (Triton's refs point into memory; no other store happens).
+    step = pl.program_id(1)
+    scale = s_ref[...][:, None]
+    parts = [p * scale for p in _decode(c_ref[...], bits)]
+    for (first, end), o_ref in zip(tiles, o_refs, strict=True):
+
+        @pl.when((step >= first) & (step < end))
+        def _store(o_ref=o_ref):
+            _store_parts(o_ref, parts, dtype)
+
+
+def _run_spec(r, w, bits, first, count):
+    """Output spec of a run of `count` tiles starting at tile `first`: grid
+    step (i, t) is the run's tile t - first (clamped outside the run, where
+    the kernel stores nothing)."""
+
+    def tile(i, t):
+        return (i, jnp.clip(t - first, 0, count - 1))
+
+    if bits == 4:
+        return pl.BlockSpec((None, r, 2, w), lambda i, t: (*tile(i, t), 0, 0))
+    return pl.BlockSpec((None, r, w), lambda i, t: (*tile(i, t), 0))
+
+
+def dequantize_runs(q: QuantizedBlocks, bits: int, runs, dtype, interpret: bool):
+    """One kernel over every block, in tiles that never straddle two runs,
+    writing each tile to its run's own output: the codes are read once and
+    each run written once, where a single output would be sliced into the
+    runs afterwards (a copy of every element). Blocks padded to a power of
+    two are dequantized whole and split."""
+    lead = q.codes.shape[:-2]
+    nb, c = q.codes.shape[-2:]
+    w, per_block, g = _pow2(c), c * (2 if bits == 4 else 1), math.prod(lead)
+    if w != c:
+        whole = dequantize(q, bits, nb * per_block, dtype, interpret)
+        bounds = [per_block * sum(runs[:i]) for i in range(1, len(runs))]
+        return tuple(jnp.split(whole, bounds, axis=-1))
+    r = _rows_per_tile(nb, per_block)
+    for n in runs:  # tiles that divide every run
+        r = _pow2_dividing(n, r)
+    starts = [sum(runs[:i]) // r for i in range(len(runs))]
+    tiles = tuple((a, a + n // r) for a, n in zip(starts, runs, strict=True))
+    outs = _call(
+        functools.partial(_dequantize_runs_kernel, bits, jnp.dtype(dtype), tiles),
+        (g, nb // r),
+        [
+            pl.BlockSpec((None, r, w), lambda i, t: (i, t, 0)),
+            pl.BlockSpec((None, r), lambda i, t: (i, t)),
+        ],
+        [_run_spec(r, w, bits, a, b - a) for a, b in tiles],
+        [_parts_shape(g, n, w, bits, dtype) for n in runs],
+        interpret,
+    )(q.codes.reshape(g, nb, c), q.scales.reshape(g, nb))
+    return tuple(o.reshape(*lead, n * per_block) for o, n in zip(outs, runs, strict=True))
+
+
 # -- fused dequantize -> sum over k -> (+ residual) -> requantize ----------------
 
 

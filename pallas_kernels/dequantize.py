@@ -1,4 +1,5 @@
-"""Dequantization: `dequantize` (API) over `_triton` (kernel) and `_reference`."""
+"""Dequantization: `dequantize` and `dequantize_runs` (API) over `_triton`
+(kernels) and `_reference`."""
 
 from __future__ import annotations
 
@@ -30,6 +31,43 @@ def _dequantize(q, bits, size, dtype, interpret):
     return by_platform(
         functools.partial(_triton.dequantize, bits=bits, size=size, dtype=dtype),
         functools.partial(_reference.dequantize, bits=bits, size=size, dtype=dtype),
+        interpret,
+        q,
+    )
+
+
+def dequantize_runs(
+    q: QuantizedBlocks,
+    bits: int,
+    runs: tuple[int, ...],
+    dtype=jnp.float32,
+    *,
+    interpret: bool = False,
+) -> tuple[jax.Array, ...]:
+    """Blocks that hold consecutive runs (tensors), `runs[i]` blocks each,
+    dequantized as one array per run, ``(..., runs[i] x the block's
+    elements)``: the slices of `dequantize`'s result, bit for bit.
+
+    Reads 1 or 1/2 byte per element plus the scales and writes `dtype` once:
+    each run is written where it is used, not as part of one array that a
+    slice then copies out (a second pass over every element).
+    """
+    _reference.check_bits(bits)
+    _reference.check_float(dtype, "dequantize")
+    runs = tuple(int(n) for n in runs)
+    blocks = q.codes.shape[-2]
+    if sum(runs) != blocks or min(runs, default=0) < 1:
+        raise ValueError(
+            f"runs {runs} must be positive block counts summing to the {blocks} blocks of q"
+        )
+    return _dequantize_runs(q, bits, runs, jnp.dtype(dtype), interpret)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _dequantize_runs(q, bits, runs, dtype, interpret):
+    return by_platform(
+        functools.partial(_triton.dequantize_runs, bits=bits, runs=runs, dtype=dtype),
+        functools.partial(_reference.dequantize_runs, bits=bits, runs=runs, dtype=dtype),
         interpret,
         q,
     )

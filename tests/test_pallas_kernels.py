@@ -239,6 +239,36 @@ def test_aligned_multi_tile_sizes():
         )
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("block", [64, 100])  # a power of two, and one padded to 128
+def test_dequantize_runs_are_the_slices_of_dequantize_bitwise(bits, block):
+    """Runs of 3, 1, 4 and 8 blocks (tiles of one block, none straddling two
+    runs), and of 8, 16 and 4 (tiles of 4), over two leading rows, with an
+    all-zero block and a non-finite value: each equals its slice of
+    `dequantize`."""
+    for runs in [(3, 1, 4, 8), (8, 16, 4)]:
+        _same_as_slices(runs, bits, block)
+
+
+def _same_as_slices(runs, bits, block):
+    x = _data(3, (2, sum(runs) * block), jnp.float32, True)
+    q = ref_quantize(x, bits, block)
+    whole = ref_dequantize(q, bits, x.shape[-1], jnp.bfloat16)
+    got = pk.dequantize_runs(q, bits, runs, jnp.bfloat16, interpret=True)
+    ref = pk.reference.dequantize_runs(q, bits, runs, jnp.bfloat16)
+    starts = np.cumsum((0, *runs)) * block
+    want = [whole[:, a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    _same(got, tuple(want))
+    _same(ref, tuple(want))
+
+
+def test_dequantize_runs_must_cover_the_blocks():
+    q = ref_quantize(jnp.ones((4 * 64,)), 8, 64)
+    for runs in [(1, 2), (4, 0), (5,)]:
+        with pytest.raises(ValueError, match="summing to the 4 blocks of q"):
+            pk.dequantize_runs(q, 8, runs)
+
+
 # The GPU the kernels are lowered for: an H200 (sm_90). Triton lowers for
 # a compute capability, which JAX reads from the current abstract mesh's
 # device when no GPU is attached (jax 0.11 and later).
@@ -351,6 +381,15 @@ def test_lowers_for_cuda_with_the_kernel_and_for_cpu_without(name):
     assert triton_kernels(_lowered_for(f, args(), "cuda")) == Counter({kernel: 1})
     cpu = _lowered_for(f, args(), "cpu")
     assert "triton" not in cpu and "custom_call" not in cpu  # the plain-JAX reference
+
+
+def test_dequantize_runs_lowers_to_one_kernel_and_no_slice():
+    """On a GPU one kernel reads the codes once and writes each run to its
+    own output: no slice copies a run out of a whole, nothing is padded."""
+    q = ref_quantize(jnp.ones((8, 9 * 256)), 8, 256)
+    cuda = _lowered_for(lambda q: pk.dequantize_runs(q, 8, (4, 2, 3), jnp.bfloat16), (q,), "cuda")
+    assert triton_kernels(cuda) == Counter({"_dequantize_runs_kernel": 1})
+    assert "stablehlo.slice" not in cuda and "stablehlo.pad" not in cuda
 
 
 def test_over_a_cpu_mesh_only_the_reference_is_traced(mesh24):

@@ -237,9 +237,8 @@ class FlatLayout:
         return self.unflatten(rows.reshape(-1), dtype)
 
     def from_segments(self, values, dtype=None) -> PyTree:
-        """The pytree from every device's one segment (N, s): `unflatten_rows`."""
-        (rows,) = values
-        return self.unflatten_rows(rows, dtype)
+        """The pytree from every device's one segment (N, s), `values[0]`."""
+        return self.unflatten_rows(values[0], dtype)
 
     def flatten_rows(self, tree: PyTree) -> jax.Array:
         """fp32 rows (N, s): row d is what device d holds of `tree`."""
@@ -382,15 +381,15 @@ class ParamLayout:
         return jnp.concatenate(parts)
 
     def from_segments(self, values, dtype=None) -> PyTree:
-        """Full parameters from every device's segments: `values[j]` is
-        (N, length of segment j)."""
-        starts = [off for off, _ in self.segments]
+        """Full parameters from every device's pieces of its vector:
+        `values[start]` is (N, length) from offset `start`, a segment or
+        finer (a tensor's own block, which then takes no slice)."""
         n, leaves = self.num_shards, []
         for (off, k), shape, block, dim, dt in zip(
             self.slices, self.shapes, self.block_shapes, self.dims, self.dtypes, strict=True
         ):
-            j = max(i for i, start in enumerate(starts) if start <= off)
-            v = values[j][:, off - starts[j] : off - starts[j] + k].reshape((n,) + block)
+            j = max(start for start in values if start <= off)
+            v = values[j][:, off - j : off - j + k].reshape((n,) + block)
             if dim:
                 v = jnp.moveaxis(v, 0, dim)
             leaves.append(v.reshape(shape).astype(dt if dtype is None else dtype))
@@ -398,7 +397,7 @@ class ParamLayout:
 
     def unflatten_rows(self, rows: jax.Array, dtype=None) -> PyTree:
         """Full parameters from every device's vector, stacked as rows (N, s)."""
-        return self.from_segments([rows[:, o : o + k] for o, k in self.segments], dtype)
+        return self.from_segments({o: rows[:, o : o + k] for o, k in self.segments}, dtype)
 
     def device_rows(self, leaf: jax.Array, i: int) -> jax.Array:
         """(N, block size) in the leaf's dtype: its block of every device."""
@@ -445,7 +444,7 @@ class Layout(Protocol):
         """The full parameters from every device's vector, stacked as rows."""
 
     def from_segments(self, values, dtype=None) -> PyTree:
-        """The full parameters from each segment's rows, in `segments` order."""
+        """The full parameters from each segment's rows, by its offset."""
 
     def quantize_gradient(
         self, tree: PyTree, bits: int, block: int, rounding: str, scale_dtype: str

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels as kernels
 from zpp_jax import collectives, quant
@@ -117,7 +118,13 @@ class WeightWire:
                 rows.codes[:, c0 : c0 + nb * nbytes].reshape(n, nb, nbytes),
                 rows.scales[:, s0 : s0 + nb],
             )
-            by_offset[o] = kernels.dequantize(q, cfg.weight_bits, k, self._decoded_dtype)
+            runs = self._tensors_in(o, k, block)
+            if runs is None:
+                by_offset[o] = kernels.dequantize(q, cfg.weight_bits, k, self._decoded_dtype)
+            else:  # each tensor written on its own: no slice copies it out
+                decoded = kernels.dequantize_runs(q, cfg.weight_bits, runs, self._decoded_dtype)
+                for first, values in zip(np.cumsum((0, *runs[:-1])), decoded, strict=True):
+                    by_offset[o + int(first) * block] = values
             c0, s0 = c0 + nb * nbytes, s0 + nb
         if small:
             padded = []
@@ -133,4 +140,21 @@ class WeightWire:
             values = kernels.dequantize(q, cfg.weight_bits, width, self._decoded_dtype)
             for i, (o, k) in enumerate(small):
                 by_offset[o] = values[:, i, :k]
-        return layout.from_segments([by_offset[o] for o, _ in layout.segments], self.compute_dtype)
+        return layout.from_segments(by_offset, self.compute_dtype)
+
+    def _tensors_in(self, offset: int, length: int, block: int) -> tuple[int, ...] | None:
+        """Blocks of each tensor that segment (`offset`, `length`) holds back to
+        back in whole blocks (a `ParamLayout`'s leading run), to be decoded
+        each on its own; None for a segment of one tensor, or of a layout
+        that does not place its tensors (`FlatLayout`)."""
+        pieces = sorted(getattr(self.layout, "slices", ()))
+        inside = [(o, k) for o, k in pieces if offset <= o < offset + length]
+        ends = [o + k for o, k in inside]
+        if (
+            len(inside) < 2
+            or [o for o, _ in inside] != [offset, *ends[:-1]]
+            or ends[-1] != offset + length
+            or any(k % block for _, k in inside)
+        ):
+            return None
+        return tuple(k // block for _, k in inside)
