@@ -55,6 +55,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 SUPPORTED_BITS = (4, 8)
 ROUNDINGS = ("nearest", "stochastic")
@@ -267,15 +268,43 @@ def dequantize(
     return x.astype(dtype)
 
 
+def blocks_in_order(
+    q: QuantizedBlocks, bits: int, block: int | None = None, swap_lead: bool = False
+) -> QuantizedBlocks:
+    """`dequantize_runs`'s input as plain blocks (..., blocks, bytes per
+    block), leading axes in the result's order: with `block`, the codes
+    are the bytes (..., L) whose first blocks x bytes per block hold the
+    blocks (int8 codes as uint8 bytes); with `swap_lead`, q's leading axes
+    (a, b) become (b, a). Copies what it rearranges."""
+    codes, scales = q.codes, q.scales
+    if block is not None:
+        nb, c = scales.shape[-1], block * bits // 8
+        codes = codes[..., : nb * c].reshape(*codes.shape[:-1], nb, c)
+        if bits == 8 and codes.dtype == jnp.uint8:
+            codes = lax.bitcast_convert_type(codes, jnp.int8)
+    if swap_lead:
+        codes, scales = jnp.swapaxes(codes, 0, 1), jnp.swapaxes(scales, 0, 1)
+    return QuantizedBlocks(codes, scales)
+
+
 def dequantize_runs(
-    q: QuantizedBlocks, bits: int, runs: tuple[int, ...], dtype: jnp.dtype = jnp.float32
+    q: QuantizedBlocks,
+    bits: int,
+    runs: tuple[int, ...],
+    dtype: jnp.dtype = jnp.float32,
+    block: int | None = None,
+    swap_lead: bool = False,
 ) -> tuple[jax.Array, ...]:
     """`dequantize` of blocks holding consecutive runs of `runs[i]` blocks
-    each (they sum to the blocks of `q`): one array per run, ``(...,
-    runs[i] x elements per block)``."""
-    block = block_of(q, bits)
-    whole = dequantize(q, bits, sum(runs) * block, dtype)
-    bounds = [block * sum(runs[:i]) for i in range(1, len(runs))]
+    each (they sum to the blocks of `q`'s scales): one array per run,
+    ``(..., runs[i] x elements per block)``; `block` and `swap_lead` as
+    `blocks_in_order` reads them."""
+    q = blocks_in_order(q, bits, block, swap_lead)
+    nb = q.scales.shape[-1]
+    q = QuantizedBlocks(q.codes[..., :nb, :], q.scales)
+    size = block_of(q, bits)
+    whole = dequantize(q, bits, sum(runs) * size, dtype)
+    bounds = [size * sum(runs[:i]) for i in range(1, len(runs))]
     return tuple(jnp.split(whole, bounds, axis=-1))
 
 

@@ -2,10 +2,12 @@
 
 Layout: every kernel works on rows of one quantization block each, a tile of
 R rows per program. Blocks whose width is not a power of two are padded with
-zeros to one (Triton tiles are powers of two), and the row count to a
-multiple of R; both paddings are copies made only when needed (never for the
-engine's default 256 / 64 blocks on aligned sizes). int4 blocks are handled as
-their two contiguous halves, matching the packing of `_reference`.
+zeros to one (Triton tiles are powers of two): a copy made only when needed
+(never for the engine's default 256 / 64 blocks). A row count that R does not
+divide is not padded: Triton masks the loads and stores of the last tile's
+rows past the array (each row is a block of its own, so the rows it reads
+there reach no stored value). int4 blocks are handled as their two
+contiguous halves, matching the packing of `_reference`.
 """
 
 from __future__ import annotations
@@ -196,8 +198,6 @@ def quantize_4d(
     a, b, n = x.shape
     xb, nb, w = _blocked(x, block, bits)
     r = _rows_per_tile(nb, w * (2 if bits == 4 else 1))
-    nbp = -(-nb // r) * r
-    xb = _pad_axis(xb, 2, nbp)
     out_lead = (b, a) if swap else (a, b)
     cdtype = jnp.uint8 if bits == 4 else jnp.int8
 
@@ -208,24 +208,24 @@ def quantize_4d(
         in_spec = pl.BlockSpec((None, None, r, 2, w), lambda i, j, t: (*src(i, j, t), 0, 0))
     else:
         in_spec = pl.BlockSpec((None, None, r, w), lambda i, j, t: (*src(i, j, t), 0))
-    grid = (out_lead[0], out_lead[1], nbp // r)
+    grid = (out_lead[0], out_lead[1], -(-nb // r))
     args, in_specs = [xb], [in_spec]
     out_specs = [
         pl.BlockSpec((None, None, r, w), lambda i, j, t: (i, j, t, 0)),
         pl.BlockSpec((None, None, r), lambda i, j, t: (i, j, t)),
     ]
     out_shape = [
-        jax.ShapeDtypeStruct((*out_lead, nbp, w), cdtype),
-        jax.ShapeDtypeStruct((*out_lead, nbp), jnp.float32),
+        jax.ShapeDtypeStruct((*out_lead, nb, w), cdtype),
+        jax.ShapeDtypeStruct((*out_lead, nb), jnp.float32),
     ]
     if residual is not None:
         rb, _, _ = _blocked(residual.astype(jnp.float32), block, bits)
-        args.append(_pad_axis(rb, 2, nbp))
+        args.append(rb)
         parts = (2, w) if bits == 4 else (w,)
         spec = pl.BlockSpec((None, None, r, *parts), lambda i, j, t: (i, j, t) + (0,) * len(parts))
         in_specs.append(spec)
         out_specs.append(spec)
-        out_shape.append(jax.ShapeDtypeStruct((*out_lead, nbp, *parts), jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct((*out_lead, nb, *parts), jnp.float32))
     outs = _call(
         functools.partial(_quantize_kernel, bits, rounding, block, scale_dtype),
         grid,
@@ -280,16 +280,16 @@ def quantize_reordered(
 
 
 def _codes_blocked(q: QuantizedBlocks, bits: int):
-    """Codes (..., nb, c) -> (G, nbp, W) padded, scales (G, nbp); returns tile rows too."""
+    """Codes (..., nb, c) -> (G, nb, W) padded to a power of two, scales
+    (G, nb); returns the tile rows too (the last tile may hold fewer rows:
+    Triton masks what lies past the array)."""
     lead = q.codes.shape[:-2]
     nb, c = q.codes.shape[-2:]
     g = math.prod(lead)
     w = _pow2(c)
     r = _rows_per_tile(nb, w * (2 if bits == 4 else 1))
-    nbp = -(-nb // r) * r
-    codes = _pad_axis(_pad_axis(q.codes.reshape(g, nb, c), 2, w), 1, nbp)
-    scales = _pad_axis(q.scales.reshape(g, nb), 1, nbp)
-    return codes, scales, lead, nb, c, w, r, nbp
+    codes = _pad_axis(q.codes.reshape(g, nb, c), 2, w)
+    return codes, q.scales.reshape(g, nb), lead, nb, c, w, r
 
 
 def _dequantize_kernel(bits, dtype, c_ref, s_ref, o_ref):
@@ -305,7 +305,7 @@ def _parts_spec(r, w, bits, lead_dims=1):
 
 
 def _unblock(parts, bits, lead, nb, c, size):
-    """(G, nbp, [2,] W) -> (..., size)."""
+    """(G, nb, [2,] W) -> (..., size)."""
     g = parts.shape[0]
     if bits == 4:
         parts = parts[:, :nb, :, :c].reshape(g, nb * 2 * c)
@@ -314,23 +314,23 @@ def _unblock(parts, bits, lead, nb, c, size):
     return parts[:, :size].reshape(*lead, size)
 
 
-def _parts_shape(g, nbp, w, bits, dtype):
-    shape = (g, nbp, 2, w) if bits == 4 else (g, nbp, w)
+def _parts_shape(g, nb, w, bits, dtype):
+    shape = (g, nb, 2, w) if bits == 4 else (g, nb, w)
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def dequantize(q: QuantizedBlocks, bits: int, size: int, dtype, interpret: bool):
-    codes, scales, lead, nb, c, w, r, nbp = _codes_blocked(q, bits)
+    codes, scales, lead, nb, c, w, r = _codes_blocked(q, bits)
     g = codes.shape[0]
     out = _call(
         functools.partial(_dequantize_kernel, bits, jnp.dtype(dtype)),
-        (g, nbp // r),
+        (g, -(-nb // r)),
         [
             pl.BlockSpec((None, r, w), lambda i, t: (i, t, 0)),
             pl.BlockSpec((None, r), lambda i, t: (i, t)),
         ],
         _parts_spec(r, w, bits),
-        _parts_shape(g, nbp, w, bits, dtype),
+        _parts_shape(g, nb, w, bits, dtype),
         interpret,
     )(codes, scales)
     return _unblock(out, bits, lead, nb, c, size)
@@ -341,12 +341,17 @@ def _pow2_dividing(n: int, at_most: int) -> int:
     return at_most if n == 0 else min(n & -n, at_most)
 
 
-def _dequantize_runs_kernel(bits, dtype, tiles, c_ref, s_ref, *o_refs):
+def _dequantize_runs_kernel(bits, dtype, tiles, width, c_ref, s_ref, *o_refs):
     # Tile `step` of the blocks belongs to one run: only that run's output
     # is written (Triton's refs point into memory; no other store happens).
     step = pl.program_id(1)
+    codes = c_ref[...]
+    if codes.ndim == 1:  # a row of bytes: its blocks, `width` bytes each
+        codes = codes.reshape(-1, width)
+    if bits == 8 and codes.dtype == jnp.uint8:  # int8 codes read as bytes
+        codes = (codes.astype(jnp.int32) ^ 128) - 128
     scale = s_ref[...][:, None]
-    parts = [p * scale for p in _decode(c_ref[...], bits)]
+    parts = [p * scale for p in _decode(codes, bits)]
     for (first, end), o_ref in zip(tiles, o_refs, strict=True):
 
         @pl.when((step >= first) & (step < end))
@@ -367,16 +372,48 @@ def _run_spec(r, w, bits, first, count):
     return pl.BlockSpec((None, r, w), lambda i, t: (*tile(i, t), 0))
 
 
-def dequantize_runs(q: QuantizedBlocks, bits: int, runs, dtype, interpret: bool):
+def _runs_in_specs(q, r, c, flat, swap_lead):
+    """Specs of the codes and scales, read in place: row i of the result is
+    q's row i, or with `swap_lead` (q's leading axes (a, b)) its row
+    (i % a, i // a); a tile is r blocks, as r x c bytes of a row of bytes."""
+    lead = q.scales.shape[:-1]
+    if swap_lead:
+        a = lead[0]
+
+        def row(i):
+            return (i % a, i // a)
+
+        none = (None, None)
+    else:
+
+        def row(i):
+            return (i,)
+
+        none = (None,)
+    if flat:
+        codes = pl.BlockSpec((*none, r * c), lambda i, t: (*row(i), t))
+    else:
+        codes = pl.BlockSpec((*none, r, c), lambda i, t: (*row(i), t, 0))
+    return [codes, pl.BlockSpec((*none, r), lambda i, t: (*row(i), t))]
+
+
+def dequantize_runs(
+    q: QuantizedBlocks, bits: int, runs, dtype, interpret: bool, block=None, swap_lead=False
+):
     """One kernel over every block, in tiles that never straddle two runs,
-    writing each tile to its run's own output: the codes are read once and
-    each run written once, where a single output would be sliced into the
-    runs afterwards (a copy of every element). Blocks padded to a power of
-    two are dequantized whole and split."""
-    lead = q.codes.shape[:-2]
-    nb, c = q.codes.shape[-2:]
-    w, per_block, g = _pow2(c), c * (2 if bits == 4 else 1), math.prod(lead)
-    if w != c:
+    writing each tile to its run's own output: the codes are read once, in
+    place (from a row of bytes, in either order of two leading axes), and
+    each run written once, where one output would be sliced into the runs
+    afterwards (a copy of every element). Blocks padded to a power of two
+    are rearranged, dequantized whole and split."""
+    lead, nb = q.scales.shape[:-1], q.scales.shape[-1]
+    flat = block is not None
+    c = block * bits // 8 if flat else q.codes.shape[-1]
+    per_block, g = c * (2 if bits == 4 else 1), math.prod(lead)
+    out_lead = (lead[1], lead[0], *lead[2:]) if swap_lead else lead
+    if _pow2(c) != c:
+        q = ref.blocks_in_order(q, bits, block, swap_lead)
+        q = QuantizedBlocks(q.codes[..., :nb, :], q.scales)
         whole = dequantize(q, bits, nb * per_block, dtype, interpret)
         bounds = [per_block * sum(runs[:i]) for i in range(1, len(runs))]
         return tuple(jnp.split(whole, bounds, axis=-1))
@@ -385,18 +422,19 @@ def dequantize_runs(q: QuantizedBlocks, bits: int, runs, dtype, interpret: bool)
         r = _pow2_dividing(n, r)
     starts = [sum(runs[:i]) // r for i in range(len(runs))]
     tiles = tuple((a, a + n // r) for a, n in zip(starts, runs, strict=True))
+    if not swap_lead:  # one leading axis of rows
+        q = QuantizedBlocks(
+            q.codes.reshape(g, *q.codes.shape[len(lead) :]), q.scales.reshape(g, nb)
+        )
     outs = _call(
-        functools.partial(_dequantize_runs_kernel, bits, jnp.dtype(dtype), tiles),
+        functools.partial(_dequantize_runs_kernel, bits, jnp.dtype(dtype), tiles, c),
         (g, nb // r),
-        [
-            pl.BlockSpec((None, r, w), lambda i, t: (i, t, 0)),
-            pl.BlockSpec((None, r), lambda i, t: (i, t)),
-        ],
-        [_run_spec(r, w, bits, a, b - a) for a, b in tiles],
-        [_parts_shape(g, n, w, bits, dtype) for n in runs],
+        _runs_in_specs(q, r, c, flat, swap_lead),
+        [_run_spec(r, c, bits, a, b - a) for a, b in tiles],
+        [_parts_shape(g, n, c, bits, dtype) for n in runs],
         interpret,
-    )(q.codes.reshape(g, nb, c), q.scales.reshape(g, nb))
-    return tuple(o.reshape(*lead, n * per_block) for o, n in zip(outs, runs, strict=True))
+    )(q.codes, q.scales)
+    return tuple(o.reshape(*out_lead, n * per_block) for o, n in zip(outs, runs, strict=True))
 
 
 # -- fused dequantize -> sum over k -> (+ residual) -> requantize ----------------
@@ -427,10 +465,10 @@ def dequantize_sum_quantize(
 ):
     k = q.codes.shape[0]
     sub = QuantizedBlocks(q.codes[0], q.scales[0])
-    _, _, lead, nb, c, w, r, nbp = _codes_blocked(sub, bits)
+    _, _, lead, nb, c, w, r = _codes_blocked(sub, bits)
     g = math.prod(lead)
-    codes = _pad_axis(_pad_axis(q.codes.reshape(k, g, nb, c), 3, w), 2, nbp)
-    scales = _pad_axis(q.scales.reshape(k, g, nb), 2, nbp)
+    codes = _pad_axis(q.codes.reshape(k, g, nb, c), 3, w)
+    scales = q.scales.reshape(k, g, nb)
     args = [codes, scales]
     in_specs = [
         pl.BlockSpec((k, None, r, w), lambda i, t: (0, i, t, 0)),
@@ -442,20 +480,20 @@ def dequantize_sum_quantize(
         pl.BlockSpec((None, r), lambda i, t: (i, t)),
     ]
     out_shape = [
-        jax.ShapeDtypeStruct((g, nbp, w), cdtype),
-        jax.ShapeDtypeStruct((g, nbp), jnp.float32),
+        jax.ShapeDtypeStruct((g, nb, w), cdtype),
+        jax.ShapeDtypeStruct((g, nb), jnp.float32),
     ]
     with_residual = residual is not None
     block = c * (2 if bits == 4 else 1)
     if with_residual:
         rb, _, _ = _blocked(residual.astype(jnp.float32).reshape(g, size), block, bits)
-        args.append(_pad_axis(rb, 1, nbp))
+        args.append(rb)
         in_specs.append(_parts_spec(r, w, bits))
         out_specs.append(_parts_spec(r, w, bits))
-        out_shape.append(_parts_shape(g, nbp, w, bits, jnp.float32))
+        out_shape.append(_parts_shape(g, nb, w, bits, jnp.float32))
     outs = _call(
         functools.partial(_dsq_kernel, bits, k, with_residual, rounding, block, scale_dtype),
-        (g, nbp // r),
+        (g, -(-nb // r)),
         in_specs,
         out_specs,
         out_shape,

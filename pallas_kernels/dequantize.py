@@ -42,32 +42,47 @@ def dequantize_runs(
     runs: tuple[int, ...],
     dtype=jnp.float32,
     *,
+    block: int | None = None,
+    swap_lead: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Blocks that hold consecutive runs (tensors), `runs[i]` blocks each,
     dequantized as one array per run, ``(..., runs[i] x the block's
     elements)``: the slices of `dequantize`'s result, bit for bit.
 
+    `q.codes` is (..., blocks, bytes per block), or, given `block` (elements
+    per block), a row of bytes (..., L) whose first blocks x bytes per
+    block hold them (int8 codes as uint8 bytes: a gathered wire, whose
+    scales follow); the scales are (..., blocks) and say how many blocks
+    there are. With `swap_lead`, `q`'s two leading axes (a, b) are the
+    result's (b, a): rows gathered in the other order.
+
     Reads 1 or 1/2 byte per element plus the scales and writes `dtype` once:
-    each run is written where it is used, not as part of one array that a
-    slice then copies out (a second pass over every element).
+    the codes are read where they lie, in either order of rows, and each
+    run written where it is used, not as part of one array that a slice
+    then copies out (a second pass over every element).
     """
     _reference.check_bits(bits)
     _reference.check_float(dtype, "dequantize")
     runs = tuple(int(n) for n in runs)
-    blocks = q.codes.shape[-2]
+    blocks = q.scales.shape[-1]
     if sum(runs) != blocks or min(runs, default=0) < 1:
         raise ValueError(
             f"runs {runs} must be positive block counts summing to the {blocks} blocks of q"
         )
-    return _dequantize_runs(q, bits, runs, jnp.dtype(dtype), interpret)
+    if swap_lead and q.scales.ndim != 3:
+        raise ValueError(f"swap_lead needs two leading axes, got scales of shape {q.scales.shape}")
+    if block is not None:
+        _reference.check_block_size(block, bits)
+    return _dequantize_runs(q, bits, runs, jnp.dtype(dtype), interpret, block, swap_lead)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _dequantize_runs(q, bits, runs, dtype, interpret):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def _dequantize_runs(q, bits, runs, dtype, interpret, block, swap_lead):
+    options = dict(bits=bits, runs=runs, dtype=dtype, block=block, swap_lead=swap_lead)
     return by_platform(
-        functools.partial(_triton.dequantize_runs, bits=bits, runs=runs, dtype=dtype),
-        functools.partial(_reference.dequantize_runs, bits=bits, runs=runs, dtype=dtype),
+        functools.partial(_triton.dequantize_runs, **options),
+        functools.partial(_reference.dequantize_runs, **options),
         interpret,
         q,
     )

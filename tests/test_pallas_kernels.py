@@ -3,6 +3,7 @@ interpret mode, and lowering for CUDA from this CPU-only machine."""
 
 import contextlib
 import functools
+import math
 import re
 from collections import Counter
 
@@ -262,6 +263,28 @@ def _same_as_slices(runs, bits, block):
     _same(ref, tuple(want))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("block", [64, 100])
+def test_dequantize_runs_read_a_wire_of_bytes_in_either_row_order(bits, block):
+    """Codes given as rows of bytes (a gathered wire: the blocks, then 13
+    other bytes), over leading axes (3, 2) read as (2, 3): the same bits as
+    the blocks themselves, rows swapped."""
+    runs = (4, 2, 8)
+    x = _data(5, (3, 2, sum(runs) * block), jnp.float32, True)
+    q = ref_quantize(x, bits, block)
+    flat = q.codes.reshape(3, 2, -1)
+    if flat.dtype != jnp.uint8:
+        flat = jax.lax.bitcast_convert_type(flat, jnp.uint8)
+    wire = pk.QuantizedBlocks(jnp.pad(flat, ((0, 0), (0, 0), (0, 13))), q.scales)
+    swapped = pk.QuantizedBlocks(jnp.swapaxes(q.codes, 0, 1), jnp.swapaxes(q.scales, 0, 1))
+    want = pk.reference.dequantize_runs(swapped, bits, runs, jnp.bfloat16)
+    for run in (pk.dequantize_runs, pk.reference.dequantize_runs):
+        kw = {"interpret": True} if run is pk.dequantize_runs else {}
+        got = run(wire, bits, runs, jnp.bfloat16, block=block, swap_lead=True, **kw)
+        assert [a.shape for a in got] == [(2, 3, n * block) for n in runs]
+        _same(got, want)
+
+
 def test_dequantize_runs_must_cover_the_blocks():
     q = ref_quantize(jnp.ones((4 * 64,)), 8, 64)
     for runs in [(1, 2), (4, 0), (5,)]:
@@ -390,6 +413,52 @@ def test_dequantize_runs_lowers_to_one_kernel_and_no_slice():
     cuda = _lowered_for(lambda q: pk.dequantize_runs(q, 8, (4, 2, 3), jnp.bfloat16), (q,), "cuda")
     assert triton_kernels(cuda) == Counter({"_dequantize_runs_kernel": 1})
     assert "stablehlo.slice" not in cuda and "stablehlo.pad" not in cuda
+    # The same from rows of bytes gathered in the other order: read in place.
+    wire = pk.QuantizedBlocks(jnp.zeros((4, 2, 9 * 256 + 40), jnp.uint8), jnp.ones((4, 2, 9)))
+    cuda = _lowered_for(
+        lambda q: pk.dequantize_runs(q, 8, (4, 2, 3), jnp.bfloat16, block=256, swap_lead=True),
+        (wire,),
+        "cuda",
+    )
+    assert triton_kernels(cuda) == Counter({"_dequantize_runs_kernel": 1})
+    for op in ("slice", "pad", "transpose", "concatenate"):
+        assert f"stablehlo.{op}" not in cuda, op
+
+
+def test_a_block_count_the_tile_does_not_divide_is_not_padded():
+    """100 blocks of 256 in tiles of 32: the kernels read and write the
+    arrays as they are (Triton masks the last tile), nothing is copied
+    into a padded one or sliced out of it."""
+    x = jnp.ones((2, 100 * 256), jnp.float32)
+    q = ref_quantize(x, 8, 256)
+    for f, args in [
+        (lambda x: pk.quantize(x, 8, 256), (x,)),
+        (lambda q: pk.dequantize(q, 8, 100 * 256, jnp.bfloat16), (q,)),
+        (lambda x: pk.quantize_reordered(x.reshape(-1), 2, 1, 8, 256), (x,)),
+    ]:
+        cuda = _lowered_for(f, args, "cuda")
+        assert "stablehlo.pad" not in cuda and "stablehlo.slice" not in cuda
+
+
+def test_a_layers_gathered_weights_decode_in_one_kernel_reading_the_wire_in_place():
+    """`WeightWire.decode` of a layer whose two kernels are whole 256-blocks
+    per device and whose bias is not, from rows gathered (local, nodes):
+    one kernel decodes both kernels from the wire where it lies, one the
+    short bias; no slice, transpose or concatenation copies the codes."""
+    from zpp_jax import ZeroPPConfig
+    from zpp_jax.partition import call_layout
+    from zpp_jax.wire import WeightWire
+
+    config = ZeroPPConfig()
+    params = [((256, 512), jnp.float32, 0), ((512, 256), jnp.float32, 0), ((512,), jnp.float32, 0)]
+    wire = WeightWire(call_layout(config, params, 8), config, jnp.bfloat16)
+    sent = jax.eval_shape(wire.encode, jax.ShapeDtypeStruct((wire.layout.shard_size,), jnp.float32))
+    rows = jax.ShapeDtypeStruct((4, 2, *sent.shape), sent.dtype)
+    cuda = _lowered_for(lambda r: wire.decode(r, swapped=True), (rows,), "cuda")
+    assert triton_kernels(cuda) == Counter({"_dequantize_runs_kernel": 1, DEQUANTIZE: 1})
+    copying = r"stablehlo\.(?:slice|transpose|concatenate).*-> tensor<([\dx]+)x"
+    copied = [math.prod(int(d) for d in m.group(1).split("x")) for m in re.finditer(copying, cuda)]
+    assert max(copied, default=0) < sent.shape[0] * 8 / 20  # the scales and the bias alone
 
 
 def test_over_a_cpu_mesh_only_the_reference_is_traced(mesh24):

@@ -247,15 +247,12 @@ class ShardedLayer:
     def _assemble(self, secondary):
         """Secondary (nodes, ...) -> gathered over `local` -> the full weight.
 
-        The gather yields (local, nodes, ...) and the shards are node-major,
-        so the rows are put in (nodes, local) order by one concatenation of
-        contiguous slices: a copy of the codes. Left as a transpose, XLA:CPU
-        fuses it into the dequantization, which then runs 4x slower than the
-        copy and the dequantization together.
+        The gather yields (local, nodes, ...) and the shards are node-major:
+        the dequantization reads the rows in that order where they lie
+        (`WeightWire.decode`), so the codes are not copied into node-major
+        order first.
         """
-        rows = collectives.gather_over(secondary, LOCAL)
-        rows = jax.tree.map(lambda a: jnp.concatenate([a[:, n] for n in range(a.shape[1])]), rows)
-        return self._decode(rows)
+        return self._decode(collectives.gather_over(secondary, LOCAL), swapped=True)
 
     @functools.cached_property
     def _frozen_stored_shape(self) -> tuple[int, ...]:
@@ -263,12 +260,14 @@ class ShardedLayer:
         size = jax.ShapeDtypeStruct((self._frozen.layout.shard_size,), jnp.float32)
         return jax.eval_shape(self._frozen.encode, size).shape
 
-    def _decode(self, rows):
-        """Gathered rows -> the parameters (with frozen weights: the pair)."""
+    def _decode(self, rows, swapped: bool = False):
+        """Gathered rows -> the parameters (with frozen weights: the pair);
+        `swapped`: rows (local, nodes, ...), as `WeightWire.decode` reads them."""
         if self._frozen is None:
-            return self._wire.decode(rows)
+            return self._wire.decode(rows, swapped)
         mine, frozen = rows
-        return (None if mine is None else self._wire.decode(mine)), self._frozen.decode(frozen)
+        mine = None if mine is None else self._wire.decode(mine, swapped)
+        return mine, self._frozen.decode(frozen, swapped)
 
     def _reduce(self, grads, residual):
         """The layer's weight gradient (a pytree) -> this device's shard of

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 import pallas_kernels as kernels
 from zpp_jax import collectives, quant
@@ -40,9 +41,12 @@ class WeightWire:
             return collectives.to_bits(shard.astype(self._wire_dtype))
         return quant.pack(self._quantized(shard))
 
-    def _unpack_rows(self, rows):
-        """Gathered wire rows (N, bytes) -> `quant.QuantizedBlocks` rows."""
-        return quant.unpack(rows, self._wire_parts.codes, self._wire_parts.scales)
+    def _scales_of(self, rows):
+        """The fp32 scales of gathered wire rows (..., bytes): their tail, as
+        `quant.pack` wrote it (the codes are read where they lie)."""
+        count = self._wire_parts.scales.size
+        tail = rows[..., rows.shape[-1] - 4 * count :].reshape(*rows.shape[:-1], count, 4)
+        return lax.bitcast_convert_type(tail, jnp.float32)
 
     @functools.cached_property
     def _wire_parts(self) -> quant.QuantizedBlocks:
@@ -101,41 +105,56 @@ class WeightWire:
     def _wire_dtype(self):
         return jnp.float32 if self.config.comm_dtype is None else jnp.dtype(self.config.comm_dtype)
 
-    def decode(self, rows: jax.Array) -> PyTree:
+    def decode(self, rows: jax.Array, swapped: bool = False) -> PyTree:
         """Every device's wire, stacked as rows (N, ...) -> the full
-        parameters in `compute_dtype` (default: each leaf's own)."""
-        cfg, layout, n = self.config, self.layout, self.layout.num_shards
+        parameters in `compute_dtype` (default: each leaf's own). With
+        `swapped`, the rows come as (local, nodes, ...), as a gather over
+        `local` of a gather over `node` stacks them: the dequantization
+        reads them in node-major order where they lie, and only what is
+        small (the scales, short tensors) is reordered by a copy."""
+        cfg, layout = self.config, self.layout
         if not cfg.quantize_weights:
-            values = collectives.from_bits(rows, self._wire_dtype).astype(jnp.float32)
-            return layout.unflatten_rows(values, self.compute_dtype)
-        rows = self._unpack_rows(rows)
+            values = collectives.from_bits(_node_major(rows, swapped), self._wire_dtype)
+            return layout.unflatten_rows(values.astype(jnp.float32), self.compute_dtype)
+
+        def codes(start, end):  # node-major rows of a range of the codes
+            piece = rows[..., start:end]
+            if self._wire_parts.codes.dtype != jnp.uint8:
+                piece = lax.bitcast_convert_type(piece, self._wire_parts.codes.dtype)
+            return _node_major(piece, swapped)
+
+        wire_scales = self._scales_of(rows)
+        scales = _node_major(wire_scales, swapped)
         big, small, width = self._segment_groups()
         by_offset, c0, s0 = {}, 0, 0
         for o, k in big:
             block = quant.effective_block_size(k, cfg.block_size, cfg.weight_bits)
             nb, nbytes = quant.num_blocks(k, block), block * cfg.weight_bits // 8
-            q = quant.QuantizedBlocks(
-                rows.codes[:, c0 : c0 + nb * nbytes].reshape(n, nb, nbytes),
-                rows.scales[:, s0 : s0 + nb],
-            )
-            runs = self._tensors_in(o, k, block)
+            runs = self._tensors_in(o, k, block) if c0 == 0 else None
             if runs is None:
+                q = quant.QuantizedBlocks(
+                    codes(c0, c0 + nb * nbytes).reshape(-1, nb, nbytes),
+                    scales[:, s0 : s0 + nb],
+                )
                 by_offset[o] = kernels.dequantize(q, cfg.weight_bits, k, self._decoded_dtype)
-            else:  # each tensor written on its own: no slice copies it out
-                decoded = kernels.dequantize_runs(q, cfg.weight_bits, runs, self._decoded_dtype)
+            else:  # the wire's leading blocks, read in place, each tensor written alone
+                q = quant.QuantizedBlocks(rows, wire_scales[..., s0 : s0 + nb])
+                decoded = kernels.dequantize_runs(
+                    q, cfg.weight_bits, runs, self._decoded_dtype, block=block, swap_lead=swapped
+                )
                 for first, values in zip(np.cumsum((0, *runs[:-1])), decoded, strict=True):
-                    by_offset[o + int(first) * block] = values
+                    by_offset[o + int(first) * block] = values.reshape(layout.num_shards, -1)
             c0, s0 = c0 + nb * nbytes, s0 + nb
         if small:
             padded = []
             for _, k in small:
                 nbytes = self._code_bytes(k)
-                piece = rows.codes[:, c0 : c0 + nbytes]
+                piece = codes(c0, c0 + nbytes)
                 padded.append(jnp.pad(piece, ((0, 0), (0, self._code_bytes(width) - nbytes))))
                 c0 += nbytes
             q = quant.QuantizedBlocks(
                 jnp.stack(padded, axis=1)[:, :, None],
-                rows.scales[:, s0 : s0 + len(small), None],
+                scales[:, s0 : s0 + len(small), None],
             )
             values = kernels.dequantize(q, cfg.weight_bits, width, self._decoded_dtype)
             for i, (o, k) in enumerate(small):
@@ -158,3 +177,9 @@ class WeightWire:
         ):
             return None
         return tuple(k // block for _, k in inside)
+
+
+def _node_major(x: jax.Array, swapped: bool) -> jax.Array:
+    """Rows (N, ...) as they are, or (local, nodes, ...) in node-major order
+    (N, ...): a copy."""
+    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]) if swapped else x
