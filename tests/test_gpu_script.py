@@ -37,7 +37,10 @@ def test_the_dry_run_writes_the_page(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     gpu = json.loads((page / "gpu.json").read_text())
     assert gpu["errors"] == {} and gpu["jax"] == jax.__version__
-    assert len(gpu["kernels"]) == 20 and all(k["bit_identical"] for k in gpu["kernels"])
+    # 7 ops x int8, int4 x 2 roundings x 2 sizes (one leaving the last tile part empty)
+    assert len(gpu["kernels"]) == 56 and all(k["bit_identical"] for k in gpu["kernels"])
+    runs = {"dequantize_runs", "dequantize_runs, a gathered wire"}
+    assert runs <= {k["op"] for k in gpu["kernels"]}
     assert set(gpu["step_s"]) == METHODS and all(t > 0 for t in gpu["step_s"].values())
     assert gpu["estimate_s"] == dict.fromkeys(METHODS)  # XLA estimates GPU schedules only
     report = (page / "report.md").read_text()

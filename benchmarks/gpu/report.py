@@ -28,7 +28,8 @@ def kernel_lines(gpu: dict, kernels: dict) -> list[str]:
     lines.append(f"{same} of {len(checks)} kernel cases bit-identical (codes and scales):")
     for k in checks:
         verdict = "bit-identical" if k["bit_identical"] else "DIFFERS"
-        lines.append(f"- {k['op']}, int{k['bits']}, {k['rounding']}: {verdict}")
+        size = f", {k['size']:,} elements" if "size" in k else ""  # older pages lack it
+        lines.append(f"- {k['op']}{size}, int{k['bits']}, {k['rounding']}: {verdict}")
     lines += [
         "",
         "## Bandwidth",

@@ -4,7 +4,10 @@ JAX (the lent machine has jax 0.11.2 with CUDA 13; what else it lacks
 travels as wheels, `benchmarks/gpu/wheels.py`):
 
 1. kernels: every Pallas kernel (quantize, dequantize, the fused
-   dequantize-sum-quantize, the reordered quantize; int8 and int4, nearest
+   dequantize-sum-quantize, the reordered quantize, the dequantization of
+   runs of tensors, from blocks and from a gathered wire whose rows it reads
+   in the other order, with a last tile the tile size does not fill;
+   int8 and int4, nearest
    and stochastic rounding) against the plain-JAX reference, bit for bit
    (codes and scales), on random and on adversarial blocks (zeros, Inf, NaN);
 2. bandwidth: each kernel's bytes read plus written over its median time
@@ -32,6 +35,7 @@ reference and XLA makes no estimate): the dry run the tests make.
 
 import argparse
 import importlib.metadata
+import itertools
 import json
 import statistics
 import subprocess
@@ -109,6 +113,9 @@ def same(a, b):
     )
 
 
+ROUNDINGS = ("nearest", "stochastic")
+
+
 def kernel_cases(n, bits, rounding, nodes=2, local=4, block=256):
     """(name, Pallas function, reference function, inputs) for one setting."""
     ref, r = pk.reference, rounding
@@ -116,6 +123,9 @@ def kernel_cases(n, bits, rounding, nodes=2, local=4, block=256):
     q = jax.jit(lambda a: ref.quantize(a, bits, block))(x)
     stacked = jax.tree.map(lambda a: jnp.stack([a] * local), q)
     residual = adversarial(n, bits + 1).reshape(local, nodes, -1) / 100
+    nb = q.scales.shape[-1]
+    runs = (nb // 4, nb // 4, nb - 2 * (nb // 4))  # three tensors back to back
+    wire = gathered_wire(q, nodes, local)
     return [
         ("quantize", lambda a: pk.quantize(a, bits, block, rounding=r),
          lambda a: ref.quantize(a, bits, block, rounding=r), (x,)),
@@ -131,18 +141,36 @@ def kernel_cases(n, bits, rounding, nodes=2, local=4, block=256):
          lambda c: ref.dequantize(c, bits, n), (q,)),
         ("dequantize_sum_quantize", lambda c: pk.dequantize_sum_quantize(c, bits, n, rounding=r),
          lambda c: ref.dequantize_sum_quantize(c, bits, n, None, rounding=r), (stacked,)),
+        ("dequantize_runs", lambda c: pk.dequantize_runs(c, bits, runs),
+         lambda c: ref.dequantize_runs(c, bits, runs), (q,)),
+        ("dequantize_runs, a gathered wire",
+         lambda w: pk.dequantize_runs(w, bits, runs, block=block, swap_lead=True),
+         lambda w: ref.dequantize_runs(w, bits, runs, block=block, swap_lead=True), (wire,)),
     ]  # fmt: skip
 
 
+def gathered_wire(q, nodes, local):
+    """`q` as a gathered hpZ wire: rows (local, nodes) of bytes, each a
+    different rotation of the blocks, then their scales' bytes."""
+    rows = [jax.tree.map(lambda a, i=i: jnp.roll(a, i, axis=0), q) for i in range(nodes * local)]
+    codes = jnp.stack([jax.lax.bitcast_convert_type(x.codes, jnp.uint8).reshape(-1) for x in rows])
+    scales = jnp.stack([x.scales for x in rows])
+    tail = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(len(rows), -1)
+    wire = jnp.concatenate([codes, tail], axis=1).reshape(local, nodes, -1)
+    return pk.QuantizedBlocks(wire, scales.reshape(local, nodes, -1))
+
+
 def check_kernels(results, n):
+    """Every kernel at `n` elements, and at 3 blocks more, which leaves the
+    last tile of rows part empty (masked, not padded)."""
     rows = results.data["kernels"] = []
-    for bits in (8, 4):
-        for rounding in ("nearest", "stochastic"):
-            for name, kernel, reference, xs in kernel_cases(n, bits, rounding):
-                ok = same(jax.jit(kernel)(*xs), jax.jit(reference)(*xs))
-                rows.append({"op": name, "bits": bits, "rounding": rounding, "bit_identical": ok})
-                verdict = "bit-identical" if ok else "DIFFERS"
-                print(f"  {name:34s} int{bits} {rounding:10s} {verdict}")
+    for size, bits, rounding in itertools.product((n, n + 3 * 256), (8, 4), ROUNDINGS):
+        for name, kernel, reference, xs in kernel_cases(size, bits, rounding):
+            ok = same(jax.jit(kernel)(*xs), jax.jit(reference)(*xs))
+            row = {"op": name, "size": size, "bits": bits, "rounding": rounding}
+            rows.append({**row, "bit_identical": ok})
+            verdict = "bit-identical" if ok else "DIFFERS"
+            print(f"  {name:34s} {size:9d} int{bits} {rounding:10s} {verdict}")
     failures = sum(not k["bit_identical"] for k in rows)
     print(f"kernels: {'all bit-identical' if not failures else f'{failures} differ'}")
 
