@@ -142,6 +142,19 @@ def test_cli_layers_changes_the_depth_not_the_widths(capsys):
     assert counts[1] - counts[0] == 12 * 64 * 64 + 13 * 64
 
 
+def test_cli_remat_sets_what_the_engine_keeps(capsys):
+    """``--remat`` is the engine configurations' recomputation: with "full"
+    a unit keeps only its input, so the compiled step's peak is below the
+    one that keeps every activation ("none"); the report names it."""
+    peaks = {}
+    for remat in ("none", "full"):
+        assert main(["comm", "--json", "--configs", "zeropp", "--seq", "64", "--remat", remat]) == 0
+        (report,) = json.loads(capsys.readouterr().out)["configs"]
+        assert report["config"]["remat"] == remat
+        peaks[remat] = report["peak_memory_bytes"]
+    assert peaks["full"] < peaks["none"]
+
+
 _SCHEDULED = """\
 HloModule m, is_scheduled=true
 

@@ -129,7 +129,9 @@ def run_comm(args) -> int:
         name: BASELINES[name]
         if name in BASELINES
         else DEFAULT_CONFIGS[name].replace(
-            persistence_threshold=args.persistence_threshold, frozen_bits=args.frozen_bits
+            persistence_threshold=args.persistence_threshold,
+            frozen_bits=args.frozen_bits,
+            remat=args.remat,
         )
         for name in args.configs
     }
