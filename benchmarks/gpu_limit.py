@@ -29,6 +29,8 @@ import pages
 GPT = ["--arch", "gpt", "--model", "125m", "--seq", "1024"]
 LLAMA7 = ["--arch", "llama", "--model", "7b", "--seq", "2048"]
 LLAMA70 = ["--arch", "llama", "--model", "70b", "--seq", "4096"]
+ON_4X8 = ["--batch", "32", "--nodes", "4", "--local", "8"]
+ON_8X8 = ["--batch", "64", "--nodes", "8", "--local", "8"]
 # name: zpp comm flags; one sequence per GPU.
 SETTINGS = {
     "GPT 125m, 12 layers, 2 x 4": [*GPT, "--layers", "12", "--batch", "8"],
@@ -36,8 +38,12 @@ SETTINGS = {
     "Llama 7B, 2 x 4": [*LLAMA7, "--batch", "8"],
     "Llama 7B, 2 x 8": [*LLAMA7, "--batch", "16", "--nodes", "2", "--local", "8"],
     "Llama 7B, 4 x 8": [*LLAMA7, "--batch", "32", "--nodes", "4", "--local", "8"],
-    "Llama 70B, 4 x 8": [*LLAMA70, "--batch", "32", "--nodes", "4", "--local", "8"],
-    "Llama 70B, 8 x 8": [*LLAMA70, "--batch", "64", "--nodes", "8", "--local", "8"],
+    "Llama 70B, 4 x 8": [*LLAMA70, *ON_4X8],
+    "Llama 70B, 8 x 8": [*LLAMA70, *ON_8X8],
+    # Each unit keeps only its input for the backward pass (the engine's
+    # configurations; the baselines keep what XLA keeps).
+    "Llama 70B, 4 x 8, remat full": [*LLAMA70, *ON_4X8, "--remat", "full"],
+    "Llama 70B, 8 x 8, remat full": [*LLAMA70, *ON_8X8, "--remat", "full"],
 }
 # `zpp comm --configs` names; "nocomm" is the limit, and always compiled.
 CONFIGS = ("zero3", "zeropp", "jit", "jit_fsdp", "nocomm")
