@@ -116,50 +116,64 @@ class WeightWire:
         if not cfg.quantize_weights:
             values = collectives.from_bits(_node_major(rows, swapped), self._wire_dtype)
             return layout.unflatten_rows(values.astype(jnp.float32), self.compute_dtype)
-
-        def codes(start, end):  # node-major rows of a range of the codes
-            piece = rows[..., start:end]
-            if self._wire_parts.codes.dtype != jnp.uint8:
-                piece = lax.bitcast_convert_type(piece, self._wire_parts.codes.dtype)
-            return _node_major(piece, swapped)
-
-        wire_scales = self._scales_of(rows)
-        scales = _node_major(wire_scales, swapped)
-        big, small, width = self._segment_groups()
         by_offset, c0, s0 = {}, 0, 0
+        big, small, width = self._segment_groups()
         for o, k in big:
+            by_offset.update(self._decode_segment(rows, swapped, o, k, c0, s0))
             block = quant.effective_block_size(k, cfg.block_size, cfg.weight_bits)
-            nb, nbytes = quant.num_blocks(k, block), block * cfg.weight_bits // 8
-            runs = self._tensors_in(o, k, block) if c0 == 0 else None
-            if runs is None:
-                q = quant.QuantizedBlocks(
-                    codes(c0, c0 + nb * nbytes).reshape(-1, nb, nbytes),
-                    scales[:, s0 : s0 + nb],
-                )
-                by_offset[o] = kernels.dequantize(q, cfg.weight_bits, k, self._decoded_dtype)
-            else:  # the wire's leading blocks, read in place, each tensor written alone
-                q = quant.QuantizedBlocks(rows, wire_scales[..., s0 : s0 + nb])
-                decoded = kernels.dequantize_runs(
-                    q, cfg.weight_bits, runs, self._decoded_dtype, block=block, swap_lead=swapped
-                )
-                for first, values in zip(np.cumsum((0, *runs[:-1])), decoded, strict=True):
-                    by_offset[o + int(first) * block] = values.reshape(layout.num_shards, -1)
-            c0, s0 = c0 + nb * nbytes, s0 + nb
+            nb = quant.num_blocks(k, block)
+            c0, s0 = c0 + nb * block * cfg.weight_bits // 8, s0 + nb
         if small:
-            padded = []
-            for _, k in small:
-                nbytes = self._code_bytes(k)
-                piece = codes(c0, c0 + nbytes)
-                padded.append(jnp.pad(piece, ((0, 0), (0, self._code_bytes(width) - nbytes))))
-                c0 += nbytes
-            q = quant.QuantizedBlocks(
-                jnp.stack(padded, axis=1)[:, :, None],
-                scales[:, s0 : s0 + len(small), None],
-            )
-            values = kernels.dequantize(q, cfg.weight_bits, width, self._decoded_dtype)
-            for i, (o, k) in enumerate(small):
-                by_offset[o] = values[:, i, :k]
+            by_offset.update(self._decode_short(rows, swapped, small, width, c0, s0))
         return layout.from_segments(by_offset, self.compute_dtype)
+
+    def _codes(self, rows, swapped: bool, start: int, end: int) -> jax.Array:
+        """Node-major rows (N, end - start) of the codes at bytes [start, end)."""
+        piece = rows[..., start:end]
+        if self._wire_parts.codes.dtype != jnp.uint8:
+            piece = lax.bitcast_convert_type(piece, self._wire_parts.codes.dtype)
+        return _node_major(piece, swapped)
+
+    def _decode_segment(self, rows, swapped: bool, o: int, k: int, c0: int, s0: int) -> dict:
+        """{offset: (N, length)} of segment (`o`, `k`), whose codes start at
+        byte `c0` and scales at `s0`. The run of whole-block tensors at the
+        start of the wire is read in place, each tensor written alone
+        (`pallas_kernels.dequantize_runs`); another segment is one tensor."""
+        cfg = self.config
+        block = quant.effective_block_size(k, cfg.block_size, cfg.weight_bits)
+        nb, nbytes = quant.num_blocks(k, block), block * cfg.weight_bits // 8
+        runs = self._tensors_in(o, k, block) if c0 == 0 else None
+        scales = self._scales_of(rows)[..., s0 : s0 + nb]
+        if runs is None:
+            codes = self._codes(rows, swapped, c0, c0 + nb * nbytes).reshape(-1, nb, nbytes)
+            q = quant.QuantizedBlocks(codes, _node_major(scales, swapped))
+            return {o: kernels.dequantize(q, cfg.weight_bits, k, self._decoded_dtype)}
+        decoded = kernels.dequantize_runs(
+            quant.QuantizedBlocks(rows, scales),
+            cfg.weight_bits,
+            runs,
+            self._decoded_dtype,
+            block=block,
+            swap_lead=swapped,
+        )
+        firsts = np.cumsum((0, *runs[:-1]))
+        n = self.layout.num_shards
+        return {o + int(f) * block: v.reshape(n, -1) for f, v in zip(firsts, decoded, strict=True)}
+
+    def _decode_short(self, rows, swapped: bool, small, width: int, c0: int, s0: int) -> dict:
+        """{offset: (N, length)} of the segments shorter than a block, their
+        codes from byte `c0` and scales from `s0`: one kernel, as rows of a
+        zero-padded matrix."""
+        padded = []
+        for _, k in small:
+            nbytes = self._code_bytes(k)
+            piece = self._codes(rows, swapped, c0, c0 + nbytes)
+            padded.append(jnp.pad(piece, ((0, 0), (0, self._code_bytes(width) - nbytes))))
+            c0 += nbytes
+        scales = _node_major(self._scales_of(rows)[..., s0 : s0 + len(small)], swapped)
+        q = quant.QuantizedBlocks(jnp.stack(padded, axis=1)[:, :, None], scales[..., None])
+        values = kernels.dequantize(q, self.config.weight_bits, width, self._decoded_dtype)
+        return {o: values[:, i, :k] for i, (o, k) in enumerate(small)}
 
     def _tensors_in(self, offset: int, length: int, block: int) -> tuple[int, ...] | None:
         """Blocks of each tensor that segment (`offset`, `length`) holds back to
