@@ -169,6 +169,14 @@ def plot(data: list[dict], path: pathlib.Path) -> None:
     pages.save(fig, path, titled=True)
 
 
+REMAT_NOTE = (
+    'In a setting named "remat full" ZeRO-3 and ZeRO++ keep only each layer\'s input and '
+    "compute its forward pass again in the backward pass (`zpp comm --remat full`); the "
+    "no-communication step and plain `jax.jit` keep what XLA keeps, so their steps have "
+    "one forward pass fewer. "
+)
+
+
 def page(data: list[dict], results: dict, made: dict) -> str:
     costs = ", ".join(f"{s}: {seconds / 60:.0f} min" for s, (_, seconds) in results.items())
     configs = dict.fromkeys(r["config"] for r in data)
@@ -189,7 +197,9 @@ def page(data: list[dict], results: dict, made: dict) -> str:
         "with nothing exchanged, one device's program (its optimizer updates the whole "
         "model, where the sharded steps update a GPU's share). Plain `jax.jit` "
         "(`zpp_jax.baseline.JitFSDP`) appears as XLA partitions it, and with its "
-        "activations constrained to the batch axes as FSDP is written. MFU is one GPU's model "
+        "activations constrained to the batch axes as FSDP is written. "
+        + (REMAT_NOTE if any("remat full" in s for s in results) else "")
+        + "MFU is one GPU's model "
         "FLOPs (three times the forward pass's matrix multiplies, attention's included) "
         "over the step x 989 TFLOP/s, the H200's dense bf16 peak from the target "
         "description. Peak is `memory_analysis()`'s arguments + outputs + temporaries - "
