@@ -272,16 +272,19 @@ def blocks_in_order(
     q: QuantizedBlocks, bits: int, block: int | None = None, swap_lead: bool = False
 ) -> QuantizedBlocks:
     """`dequantize_runs`'s input as plain blocks (..., blocks, bytes per
-    block), leading axes in the result's order: with `block`, the codes
-    are the bytes (..., L) whose first blocks x bytes per block hold the
-    blocks (int8 codes as uint8 bytes); with `swap_lead`, q's leading axes
-    (a, b) become (b, a). Copies what it rearranges."""
+    block), as many as the scales count, leading axes in the result's
+    order: with `block`, the codes are the bytes (..., L) whose first
+    blocks x bytes per block hold the blocks (int8 codes as uint8 bytes);
+    with `swap_lead`, q's leading axes (a, b) become (b, a). Copies what it
+    rearranges."""
     codes, scales = q.codes, q.scales
+    nb = scales.shape[-1]
     if block is not None:
-        nb, c = scales.shape[-1], block * bits // 8
+        c = block * bits // 8
         codes = codes[..., : nb * c].reshape(*codes.shape[:-1], nb, c)
         if bits == 8 and codes.dtype == jnp.uint8:
             codes = lax.bitcast_convert_type(codes, jnp.int8)
+    codes = codes[..., :nb, :]
     if swap_lead:  # a stack of contiguous slices: XLA:CPU fuses a transpose
         # into the dequantization, which then runs several times slower
         codes, scales = (jnp.stack([x[:, j] for j in range(x.shape[1])]) for x in (codes, scales))
@@ -301,11 +304,14 @@ def dequantize_runs(
     ``(..., runs[i] x elements per block)``; `block` and `swap_lead` as
     `blocks_in_order` reads them."""
     q = blocks_in_order(q, bits, block, swap_lead)
-    nb = q.scales.shape[-1]
-    q = QuantizedBlocks(q.codes[..., :nb, :], q.scales)
     size = block_of(q, bits)
-    whole = dequantize(q, bits, sum(runs) * size, dtype)
-    bounds = [size * sum(runs[:i]) for i in range(1, len(runs))]
+    return split_runs(dequantize(q, bits, sum(runs) * size, dtype), runs, size)
+
+
+def split_runs(whole: jax.Array, runs: tuple[int, ...], block: int) -> tuple[jax.Array, ...]:
+    """`whole` (..., sum(runs) x block) cut along its last axis into runs of
+    `runs[i]` blocks of `block` elements."""
+    bounds = [block * sum(runs[:i]) for i in range(1, len(runs))]
     return tuple(jnp.split(whole, bounds, axis=-1))
 
 

@@ -413,10 +413,8 @@ def dequantize_runs(
     out_lead = (lead[1], lead[0], *lead[2:]) if swap_lead else lead
     if _pow2(c) != c:
         q = ref.blocks_in_order(q, bits, block, swap_lead)
-        q = QuantizedBlocks(q.codes[..., :nb, :], q.scales)
         whole = dequantize(q, bits, nb * per_block, dtype, interpret)
-        bounds = [per_block * sum(runs[:i]) for i in range(1, len(runs))]
-        return tuple(jnp.split(whole, bounds, axis=-1))
+        return ref.split_runs(whole, runs, per_block)
     r = _rows_per_tile(nb, per_block)
     for n in runs:  # tiles that divide every run
         r = _pow2_dividing(n, r)

@@ -90,8 +90,7 @@ class WeightWire:
     def _code_bytes(self, k: int) -> int:
         """Bytes of codes of a segment of `k` elements, shorter than a block:
         one block of its own length (even for int4, two codes per byte)."""
-        bits = self.config.weight_bits
-        return quant.effective_block_size(k, self.config.block_size, bits) * bits // 8
+        return self._blocks_of(k)[2]
 
     @property
     def _decoded_dtype(self):
@@ -117,15 +116,22 @@ class WeightWire:
             values = collectives.from_bits(_node_major(rows, swapped), self._wire_dtype)
             return layout.unflatten_rows(values.astype(jnp.float32), self.compute_dtype)
         by_offset, c0, s0 = {}, 0, 0
+        scales = self._scales_of(rows)
         big, small, width = self._segment_groups()
         for o, k in big:
-            by_offset.update(self._decode_segment(rows, swapped, o, k, c0, s0))
-            block = quant.effective_block_size(k, cfg.block_size, cfg.weight_bits)
-            nb = quant.num_blocks(k, block)
-            c0, s0 = c0 + nb * block * cfg.weight_bits // 8, s0 + nb
+            by_offset.update(self._decode_segment(rows, scales, swapped, o, k, c0, s0))
+            _, nb, nbytes = self._blocks_of(k)
+            c0, s0 = c0 + nb * nbytes, s0 + nb
         if small:
-            by_offset.update(self._decode_short(rows, swapped, small, width, c0, s0))
+            by_offset.update(self._decode_short(rows, scales, swapped, small, width, c0, s0))
         return layout.from_segments(by_offset, self.compute_dtype)
+
+    def _blocks_of(self, k: int) -> tuple[int, int, int]:
+        """(Elements per block, blocks, bytes of codes per block) of a segment
+        of `k` elements quantized on its own."""
+        bits = self.config.weight_bits
+        block = quant.effective_block_size(k, self.config.block_size, bits)
+        return block, quant.num_blocks(k, block), block * bits // 8
 
     def _codes(self, rows, swapped: bool, start: int, end: int) -> jax.Array:
         """Node-major rows (N, end - start) of the codes at bytes [start, end)."""
@@ -134,16 +140,16 @@ class WeightWire:
             piece = lax.bitcast_convert_type(piece, self._wire_parts.codes.dtype)
         return _node_major(piece, swapped)
 
-    def _decode_segment(self, rows, swapped: bool, o: int, k: int, c0: int, s0: int) -> dict:
+    def _decode_segment(self, rows, scales, swapped: bool, o, k, c0, s0) -> dict:
         """{offset: (N, length)} of segment (`o`, `k`), whose codes start at
-        byte `c0` and scales at `s0`. The run of whole-block tensors at the
-        start of the wire is read in place, each tensor written alone
-        (`pallas_kernels.dequantize_runs`); another segment is one tensor."""
+        byte `c0` and scales (`_scales_of` the rows) at `s0`. The run of
+        whole-block tensors at the start of the wire is read in place, each
+        tensor written alone (`pallas_kernels.dequantize_runs`); another
+        segment is one tensor."""
         cfg = self.config
-        block = quant.effective_block_size(k, cfg.block_size, cfg.weight_bits)
-        nb, nbytes = quant.num_blocks(k, block), block * cfg.weight_bits // 8
+        block, nb, nbytes = self._blocks_of(k)
         runs = self._tensors_in(o, k, block) if c0 == 0 else None
-        scales = self._scales_of(rows)[..., s0 : s0 + nb]
+        scales = scales[..., s0 : s0 + nb]
         if runs is None:
             codes = self._codes(rows, swapped, c0, c0 + nb * nbytes).reshape(-1, nb, nbytes)
             q = quant.QuantizedBlocks(codes, _node_major(scales, swapped))
@@ -160,17 +166,17 @@ class WeightWire:
         n = self.layout.num_shards
         return {o + int(f) * block: v.reshape(n, -1) for f, v in zip(firsts, decoded, strict=True)}
 
-    def _decode_short(self, rows, swapped: bool, small, width: int, c0: int, s0: int) -> dict:
+    def _decode_short(self, rows, scales, swapped: bool, small, width, c0, s0) -> dict:
         """{offset: (N, length)} of the segments shorter than a block, their
-        codes from byte `c0` and scales from `s0`: one kernel, as rows of a
-        zero-padded matrix."""
+        codes from byte `c0` and scales (`_scales_of` the rows) from `s0`:
+        one kernel, as rows of a zero-padded matrix."""
         padded = []
         for _, k in small:
             nbytes = self._code_bytes(k)
             piece = self._codes(rows, swapped, c0, c0 + nbytes)
             padded.append(jnp.pad(piece, ((0, 0), (0, self._code_bytes(width) - nbytes))))
             c0 += nbytes
-        scales = _node_major(self._scales_of(rows)[..., s0 : s0 + len(small)], swapped)
+        scales = _node_major(scales[..., s0 : s0 + len(small)], swapped)
         q = quant.QuantizedBlocks(jnp.stack(padded, axis=1)[:, :, None], scales[..., None])
         values = kernels.dequantize(q, self.config.weight_bits, width, self._decoded_dtype)
         return {o: values[:, i, :k] for i, (o, k) in enumerate(small)}
@@ -195,5 +201,7 @@ class WeightWire:
 
 def _node_major(x: jax.Array, swapped: bool) -> jax.Array:
     """Rows (N, ...) as they are, or (local, nodes, ...) in node-major order
-    (N, ...): a copy."""
-    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]) if swapped else x
+    (N, ...): a copy, made as a concatenation of contiguous slices (left as
+    a transpose, XLA:CPU fuses it into what reads it, which then runs
+    several times slower)."""
+    return jnp.concatenate([x[:, n] for n in range(x.shape[1])]) if swapped else x
