@@ -336,7 +336,8 @@ class SyncNet(nnx.Module):
 def test_a_named_batch_axis_is_bound_to_every_device(mesh24):
     """BatchNorm(axis_name='batch') and lax.pmean over 'batch', bound by
     batch_axis_name: as one device on the global batch, running statistics
-    to 1e-6."""
+    to 1e-5 (fp32 round-off of two reduction orders over five steps: 1e-7 to
+    1.2e-6, by CPU)."""
     want, want_grads = nnx_train(SyncNet(None, nnx.Rngs(0)), _mse, 5)
     reference = SyncNet(None, nnx.Rngs(0))
     nnx_train(reference, _mse, 5)
@@ -345,7 +346,7 @@ def test_a_named_batch_axis_is_bound_to_every_device(mesh24):
     _assert_close(losses, want, grads, want_grads)
     stats, ref = nnx.state(model, nnx.BatchStat), nnx.state(reference, nnx.BatchStat)
     pairs = zip(jax.tree.leaves(stats), jax.tree.leaves(ref), strict=True)
-    assert all(_norm_rel(a, b) <= 1e-6 for a, b in pairs)
+    assert all(_norm_rel(a, b) <= 1e-5 for a, b in pairs)
     assert len(jax.tree.leaves(ref)) == 4  # mean and var of two BatchNorms
 
 
@@ -418,7 +419,7 @@ def test_linen_batchnorm_over_a_named_axis_is_bound(mesh24):
     losses, grads, stats = linen_stats_train(named, sharded, 5, mesh24, model.apply)
     _assert_close(losses, want, grads, want_grads)
     pairs = zip(jax.tree.leaves(stats), jax.tree.leaves(want_stats), strict=True)
-    assert all(_norm_rel(a, b) <= 1e-6 for a, b in pairs)
+    assert all(_norm_rel(a, b) <= 1e-5 for a, b in pairs)
     unbound, sharded = zpp.shard_linen(named, variables, mesh24, EXACT)
     with pytest.raises(UsageError, match=r"axis name 'batch'.*batch_axis_name='batch'"):
         linen_stats_train(named, sharded, 1, mesh24, unbound.apply)

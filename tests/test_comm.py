@@ -142,6 +142,7 @@ def test_cli_layers_changes_the_depth_not_the_widths(capsys):
     assert counts[1] - counts[0] == 12 * 64 * 64 + 13 * 64
 
 
+@pytest.mark.slow  # two compiles of a whole step
 def test_cli_remat_sets_what_the_engine_keeps(capsys):
     """``--remat`` is the engine configurations' recomputation: with "full"
     a unit keeps only its input, so the compiled step's peak is below the

@@ -141,12 +141,12 @@ def run_comm(args) -> int:
             raise UsageError("--lora compiles the engine's LoRA step; drop the baselines (jit)")
         freeze = FROZEN
     if args.target == "cpu":
-        mesh, make = make_mesh(args.nodes, args.local), build
+        mesh = make_mesh(args.nodes, args.local)
     else:
         mesh = target_mesh(args.nodes, args.local, args.target_config)
 
-        def make():
-            return nnx.eval_shape(build)
+    def make():  # compiled, never run: the model's shapes are all a step needs
+        return nnx.eval_shape(build)
 
     compute = None if args.compute_dtype == "model" else args.compute_dtype
     reports = compare(make, mesh, args.batch, model.seq_len, configs, compute, freeze)
