@@ -178,12 +178,27 @@ def _check_export(tmp_path, data, metrics, capfd):
     assert capfd.readouterr().out == prompt + tokenizer.decode(want) + "\n"
     assert main(["sample", "--ckpt-dir", run, "--prompt", prompt, "--max-tokens", "60"]) == 2
     assert "more exceed the model's context of 64 positions" in capfd.readouterr().err
+    # Not told how many, it writes what the 64 positions leave: the greedy
+    # reply, as long as the model's own ids make it.
+    assert main(["sample", "--ckpt-dir", run, "--prompt", prompt]) == 0
+    want = generate(hf.load(out), ids, 64 - len(ids), eos_id=EOS)
+    assert capfd.readouterr().out == prompt + tokenizer.decode(want) + "\n"
+    # A step that is not there is named before anything is built.
+    assert main(["sample", "--ckpt-dir", run, "--prompt", prompt, "--step", "5"]) == 2
+    assert f"--ckpt-dir {run}: no checkpoint 5; it holds checkpoints [" in capfd.readouterr().err
+    # The --init checkpoint given for the run's directory.
+    assert main(["sample", "--ckpt-dir", str(tmp_path / "ckpt"), "--prompt", prompt]) == 2
+    assert "it holds none (it holds a Hugging Face checkpoint: pass" in capfd.readouterr().err
     # Without its tokenizer.json the run cannot decode: refused, not bytes.
     saved = tmp_path / "run" / "tokenizer.json"
     saved.rename(tmp_path / "aside.json")
     assert main(["sample", "--ckpt-dir", run, "--prompt", prompt]) == 2
     assert "has no tokenizer.json, and its run encoded text with one" in capfd.readouterr().err
     (tmp_path / "aside.json").rename(saved)
+    # --chat on a run whose checkpoint had no chat template.
+    (tmp_path / "run" / "tokenizer_config.json").write_text('{"eos_token": "<eos>"}')
+    assert main(["sample", "--ckpt-dir", run, "--prompt", prompt, "--chat"]) == 2
+    assert f"--chat: --ckpt-dir {run} has no chat template" in capfd.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -373,6 +388,8 @@ def test_lora_and_export_mistakes_are_one_line_each(tmp_path, capfd):
     assert not (tmp_path / "o").exists()
     with pytest.raises(UsageError, match="pass a sequence of attribute names"):
         add_lora(Llama(LlamaConfig(), nnx.Rngs(0)), 4, targets="gate")
+    with pytest.raises(UsageError, match=r"name no layer: .* \(it has down, gate, k, lm_head"):
+        add_lora(Llama(LlamaConfig(), nnx.Rngs(0)), 4, targets=[])
     with pytest.raises(UsageError, match="freeze=42 is not an NNX filter"):
         zpp.shard(Llama(LlamaConfig(), nnx.Rngs(0)), zpp.make_mesh(2, 4), freeze=42)
 
@@ -421,11 +438,13 @@ def _damaged_inputs(tmp_path, ckpt, data, base):
     )
     targets = [*base, "--lora", "4", "--lora-targets", "q,v,gatee"]
     out.append((targets, "no linear layer named gatee in Llama"))
+    empty = [*base, "--lora", "4", "--lora-targets", " , "]
+    out.append((empty, "--lora-targets ' , ' names no layer: give the linear layers to adapt"))
     tune = ["tune", "--model", "tiny", "--out", str(tmp_path / "no" / "t.json")]
     out.append((tune, f"the directory {tmp_path / 'no'} does not exist"))
     (tmp_path / "plain").mkdir()
-    chat = ["sample", "--ckpt-dir", str(tmp_path / "plain"), "--prompt", "hi", "--chat"]
-    out.append((chat, f"--chat: --ckpt-dir {tmp_path / 'plain'} has no chat template"))
+    empty = ["sample", "--ckpt-dir", str(tmp_path / "plain"), "--prompt", "hi", "--chat"]
+    out.append((empty, f"--ckpt-dir {tmp_path / 'plain'}: no checkpoint; it holds none"))
     return out
 
 

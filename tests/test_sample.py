@@ -42,5 +42,9 @@ def test_sampling_follows_the_seed_and_stops_at_the_end_id():
     stop = int(greedy[2])
     cut = generate(model, [3, 4], 10, eos_id=stop)
     assert cut.tolist() == greedy[: greedy.tolist().index(stop) + 1].tolist()
-    with pytest.raises(UsageError, match="exceed the model's 24: use fewer --max-tokens"):
+    with pytest.raises(UsageError, match="exceed the model's context of 24 positions: use fewer"):
         generate(model, np.arange(20), 5)
+    # Not told how many: at most 64, and no more than the positions leave.
+    assert len(generate(model, np.arange(20))) == 4
+    with pytest.raises(UsageError, match="a prompt of 24 tokens leaves no room in the model's"):
+        generate(model, np.arange(24))

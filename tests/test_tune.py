@@ -102,6 +102,8 @@ def test_link_parses_numbers_and_profile_files(tmp_path):
             Link.parse(bad)
     with pytest.raises(UsageError, match="MODULE:FUNCTION"):
         TuneConfig(entry="mymodels")
+    with pytest.raises(UsageError, match=r"batch 16 must be a multiple of the 9 devices .*18"):
+        TuneConfig(nodes=3, local=3)
 
 
 def test_choose_takes_the_fastest_within_the_error_bound():

@@ -73,14 +73,18 @@ def add_lora(
             f"LoRA targets {targets!r}: pass a sequence of attribute names, such as "
             "('q', 'v') or ['gate']"
         )
+    if not targets:
+        raise UsageError(
+            f"LoRA targets {targets!r} name no layer: name the nnx.Linear attributes to adapt "
+            f"(it has {_linear_names(model)})"
+        )
     layers = _linear_layers(model, targets)
     missing = [t for t in targets if t not in {name for _, name, _ in layers}]
     if missing:
-        names = sorted({name for _, name, _ in _linear_layers(model, None)})
         raise UsageError(
             f"no linear layer named {', '.join(missing)} in {type(model).__name__}: name the "
-            "model's nnx.Linear attributes to adapt with --lora-targets (it has "
-            f"{', '.join(names) if names else 'none'})"
+            f"model's nnx.Linear attributes to adapt with --lora-targets (it has "
+            f"{_linear_names(model)})"
         )
     narrowest = min(min(b.in_features, b.out_features) for _, _, b in layers)
     if rank > narrowest:
@@ -104,6 +108,12 @@ def add_lora(
         )
         setattr(module, name, lora)
     return model
+
+
+def _linear_names(model: nnx.Module) -> str:
+    """The attribute names of `model`'s `nnx.Linear` layers, for a message."""
+    names = sorted({name for _, name, _ in _linear_layers(model, None)})
+    return ", ".join(names) if names else "none"
 
 
 def _linear_layers(model: nnx.Module, targets: Sequence[str] | None) -> list:

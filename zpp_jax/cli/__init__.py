@@ -515,8 +515,8 @@ def _sample_parser(sub) -> None:
     sample.add_argument(
         "--max-tokens",
         type=count(why="tokens to write"),
-        default=64,
-        help="tokens to write at most (default 64)",
+        default=None,
+        help="tokens to write at most (default 64, or fewer where the model's positions end)",
     )
     sample.add_argument(
         "--temperature",

@@ -163,6 +163,11 @@ class RunConfig:
             raise UsageError("checkpointing and --resume need --ckpt-dir")
         if self.lora is None and self.lora_targets != ",".join(LORA_TARGETS):
             raise UsageError("--lora-targets names the layers --lora adapts: pass --lora RANK")
+        if self.lora is not None and not any(t.strip() for t in self.lora_targets.split(",")):
+            raise UsageError(
+                f"--lora-targets {self.lora_targets!r} names no layer: give the linear layers "
+                f"to adapt, such as q,v (default {','.join(LORA_TARGETS)})"
+            )
         if self.lora is None and self.lora_alpha is not None:
             raise UsageError("--lora-alpha scales the adapters --lora trains: pass --lora RANK")
         if self.lora is None and self.zero.frozen_bits != ZeroPPConfig().frozen_bits:

@@ -59,7 +59,7 @@ def restore_run_model(
     from flax import nnx
 
     from zpp_jax import hf
-    from zpp_jax.checkpoint import Checkpointer, check_directory
+    from zpp_jax.checkpoint import Checkpointer
     from zpp_jax.lora import FROZEN, add_lora
     from zpp_jax.models import Llama
     from zpp_jax.recipes.optimizer import make_optimizer
@@ -67,15 +67,8 @@ def restore_run_model(
     from zpp_jax.train import Trainer
 
     ckpt_dir = pathlib.Path(ckpt_dir)
-    check_run_directory(ckpt_dir)
-    check_directory(ckpt_dir)
+    step = checkpoint_step(ckpt_dir, step)
     checkpointer = Checkpointer(ckpt_dir)
-    step = checkpointer.latest_step() if step is None else step
-    if step is None or step not in checkpointer.all_steps():
-        which = "" if step is None else f" {step}"
-        steps = checkpointer.all_steps()
-        there = f"it holds checkpoints {sorted(steps)}" if steps else "it holds none"
-        raise UsageError(f"--ckpt-dir {ckpt_dir}: no checkpoint{which}; {there}")
     identity = checkpointer.read_meta(step)["identity"]
     cfg = run_config_of(identity)
     if cfg.stages > 1:
@@ -99,6 +92,33 @@ def restore_run_model(
     trainer = Trainer(nnx.eval_shape(make), make_optimizer(cfg), mesh, cfg.zero, freeze=freeze)
     state, _ = checkpointer.restore(trainer.abstract_state(), step)
     return trainer.model(state), cfg, step
+
+
+def checkpoint_step(ckpt_dir: pathlib.Path, step: int | None) -> int:
+    """Checkpoint `step` of the run in `ckpt_dir` (default: its newest),
+    checked to be there. Reads the directory's listing only.
+
+    Raises:
+      UsageError: no such directory, or no such checkpoint (naming the ones
+        there are, and a Hugging Face checkpoint given for a run's).
+    """
+    from zpp_jax.checkpoint import Checkpointer, check_directory
+
+    check_run_directory(ckpt_dir)
+    check_directory(ckpt_dir)
+    checkpointer = Checkpointer(ckpt_dir)
+    steps = sorted(checkpointer.all_steps())
+    chosen = checkpointer.latest_step() if step is None else step
+    if chosen in steps:
+        return chosen
+    which = "" if step is None else f" {step}"
+    there = f"it holds checkpoints {steps}" if steps else "it holds none"
+    if not steps and any(ckpt_dir.glob("*.safetensors")):
+        there += (
+            " (it holds a Hugging Face checkpoint: pass the --ckpt-dir of a zpp train run, "
+            "such as one started with --init there)"
+        )
+    raise UsageError(f"--ckpt-dir {ckpt_dir}: no checkpoint{which}; {there}")
 
 
 def check_run_directory(ckpt_dir: pathlib.Path) -> None:

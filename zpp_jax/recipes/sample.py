@@ -27,19 +27,22 @@ from flax import nnx
 from zpp_jax.errors import UsageError
 from zpp_jax.pipeline.decoders import decoder_for, split_part
 
+# Ids `zpp sample` writes at most when not told.
+DEFAULT_MAX_TOKENS = 64
+
 
 def generate(
     model: nnx.Module,
     prompt,
-    max_tokens: int,
+    max_tokens: int | None = None,
     *,
     temperature: float = 0.0,
     seed: int = 0,
     eos_id: int | Sequence[int] | None = None,
 ) -> np.ndarray:
     """Up to `max_tokens` ids that follow `prompt` (a 1-D sequence of ids),
-    stopping after `eos_id` (or any of several). Two compiled programs: the
-    prompt's pass and one token's step.
+    stopping after `eos_id` (or any of several); None: `tokens_to_write`'s
+    default. Two compiled programs: the prompt's pass and one token's step.
 
     Raises:
       UsageError: an empty prompt, a negative temperature, or a prompt and
@@ -51,11 +54,7 @@ def generate(
         raise UsageError("the prompt has no tokens")
     if temperature < 0:
         raise UsageError(f"--temperature {temperature}: use 0 (greedy) or more")
-    if prompt.size + max_tokens > decoder.seq_len:
-        raise UsageError(
-            f"a prompt of {prompt.size} tokens and {max_tokens} more exceed the model's "
-            f"{decoder.seq_len}: use fewer --max-tokens or a shorter prompt"
-        )
+    max_tokens = tokens_to_write(prompt.size, max_tokens, decoder.seq_len)
     graph = {name: split_part(part) for name, part in decoder.parts(model).items()}
     defs = {name: g[0] for name, g in graph.items()}
     arrays = {name: (g[1], g[2]) for name, g in graph.items()}
@@ -129,16 +128,13 @@ def _stop_ids(directory: pathlib.Path, tokenizer, template) -> set[int]:
     return stops
 
 
-def _check_bytes_run(directory: pathlib.Path, step: int | None) -> None:
+def _check_bytes_run(directory: pathlib.Path, step: int) -> None:
     """Raise UsageError unless the run in `directory` encoded its text as
-    bytes: a run whose tokenizer.json is gone would decode as garbage."""
+    bytes (its checkpoint `step`, which is there): a run whose
+    tokenizer.json is gone would decode as garbage."""
     from zpp_jax.checkpoint import Checkpointer
 
-    checkpointer = Checkpointer(directory)
-    step = checkpointer.latest_step() if step is None else step
-    if step is None or step not in checkpointer.all_steps():
-        return  # restoring says what is missing
-    if checkpointer.read_meta(step)["identity"]["tokenizer"].get("sha256"):
+    if Checkpointer(directory).read_meta(step)["identity"]["tokenizer"].get("sha256"):
         raise UsageError(
             f"--ckpt-dir {directory} has no tokenizer.json, and its run encoded text with one: "
             "copy that tokenizer.json back there"
@@ -148,7 +144,7 @@ def _check_bytes_run(directory: pathlib.Path, step: int | None) -> None:
 def sample_run(
     ckpt_dir: str,
     prompt: str,
-    max_tokens: int,
+    max_tokens: int | None = None,
     *,
     temperature: float = 0.0,
     seed: int = 0,
@@ -161,22 +157,24 @@ def sample_run(
     generation_config.json's). With `chat`, `prompt` is a user's message,
     rendered with the checkpoint's chat template up to the assistant's
     turn, and the text is the reply, ended also by the template's end of
-    turn.
+    turn. At most `max_tokens` ids are written; None: `DEFAULT_MAX_TOKENS`,
+    or fewer where the model's positions end.
 
     Raises:
-      UsageError: a missing run, a tokenizer.json gone, `chat` without a
-        chat template, or more tokens than the model's positions.
+      UsageError: a missing run or checkpoint, a tokenizer.json gone, `chat`
+        without a chat template, a prompt that fills the model's positions,
+        or a `max_tokens` past them.
     """
     from zpp_jax.data.chat import load_chat_template
     from zpp_jax.data.tokenizer import ByteTokenizer, load_tokenizer
     from zpp_jax.hf.config import read_config
     from zpp_jax.hf.model import llama_config
-    from zpp_jax.recipes.export import check_run_directory, restore_run_model
+    from zpp_jax.recipes.export import checkpoint_step, restore_run_model
     from zpp_jax.recipes.runs import CONFIG_FILE
     from zpp_jax.sharded import unshard
 
     directory = pathlib.Path(ckpt_dir)
-    check_run_directory(directory)
+    step = checkpoint_step(directory, step)
     file = directory / "tokenizer.json"
     if not file.is_file():
         _check_bytes_run(directory, step)
@@ -186,12 +184,31 @@ def sample_run(
     eos, length = _stop_ids(directory, tokenizer, template), None
     if (directory / CONFIG_FILE).is_file():  # a Llama: any length within its positions
         context = llama_config(read_config(directory)).seq_len
+        max_tokens = tokens_to_write(len(ids), max_tokens, context)
         length = len(ids) + max_tokens
-        if length > context:
-            raise UsageError(
-                f"a prompt of {len(ids)} tokens and {max_tokens} more exceed the model's "
-                f"context of {context} positions: use fewer --max-tokens or a shorter prompt"
-            )
     model, _, _ = restore_run_model(directory, step, seq_len=length)
     out = generate(unshard(model), ids, max_tokens, temperature=temperature, seed=seed, eos_id=eos)
     return tokenizer.decode(out)
+
+
+def tokens_to_write(prompt: int, max_tokens: int | None, context: int) -> int:
+    """How many ids to write after a `prompt` of that many ids, within the
+    model's `context` positions; `max_tokens` None: at most
+    `DEFAULT_MAX_TOKENS`, fewer where the positions end.
+
+    Raises:
+      UsageError: a prompt that fills the context, or `max_tokens` past it.
+    """
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, context - prompt)
+        if max_tokens < 1:
+            raise UsageError(
+                f"a prompt of {prompt} tokens leaves no room in the model's context of "
+                f"{context} positions: use a shorter prompt"
+            )
+    if prompt + max_tokens > context:
+        raise UsageError(
+            f"a prompt of {prompt} tokens and {max_tokens} more exceed the model's "
+            f"context of {context} positions: use fewer --max-tokens or a shorter prompt"
+        )
+    return max_tokens

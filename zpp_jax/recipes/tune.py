@@ -102,6 +102,14 @@ class TuneConfig:
         check_flags(self)
         if self.entry is not None and ":" not in self.entry:
             raise UsageError(f"--entry {self.entry!r}: give MODULE:FUNCTION")
+        devices = self.nodes * self.local
+        if self.batch % devices:
+            fits = -(-self.batch // devices) * devices
+            raise UsageError(
+                f"global batch {self.batch} must be a multiple of the {devices} devices "
+                f"(--nodes {self.nodes} x --local {self.local}): use --batch {fits}, or "
+                "another mesh"
+            )
         if self.link is not None:
             Link.parse(self.link)
 
