@@ -494,9 +494,11 @@ def test_outputs_are_checked_before_the_run_and_user_files_kept(tmp_path, capfd)
 
 def test_api_entry_points_name_the_bad_argument(tmp_path, mesh24):
     """From Python, a bad argument is a UsageError naming it."""
+    import optax
     from flax import nnx
 
-    from zpp_jax import Checkpointer, ZeroPPConfig, shard
+    from zpp_jax import Checkpointer, JitFSDP, Trainer, ZeroPPConfig, hf, make_mesh, shard
+    from zpp_jax.baseline import NoCommunication
     from zpp_jax.data import TokenDataset
 
     model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
@@ -514,6 +516,16 @@ def test_api_entry_points_name_the_bad_argument(tmp_path, mesh24):
     (tmp_path / "file").write_text("x")
     with pytest.raises(UsageError, match="is a file, not a directory"):
         Checkpointer(tmp_path / "file")
+    with pytest.raises(UsageError, match=r"hf.save: .*file is a file, not a directory"):
+        hf.save(model, tmp_path / "file")
+    # optax's factory itself, not an optimizer it made: before anything is built
+    for make in (Trainer, JitFSDP, NoCommunication):
+        with pytest.raises(UsageError, match=r"got function adamw: call it .* adamw\(3e-4\)"):
+            make(model, optax.adamw, mesh24)
+    with pytest.raises(UsageError, match="optimizer must be an optax.GradientTransformation"):
+        Trainer(model, None, mesh24)
+    with pytest.raises(UsageError, match=r"= 9 does not match the 8 devices available; .* 8$"):
+        make_mesh(3, 3)
 
 
 @pytest.mark.slow

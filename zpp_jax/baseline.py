@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import UsageError, check_optimizer
 from zpp_jax.mesh import AXES, batch_sharding, mesh_shape
 from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links, overlap_options
 from zpp_jax.overlap.loops import unroll_every_loop
@@ -103,6 +103,7 @@ class _PlainProgram:
         (`node`, `local`), bad links or a compute dtype that is not floating."""
         mesh_shape(mesh)
         check_links(links)
+        check_optimizer(optimizer)
         if compute_dtype is not None and not jnp.issubdtype(compute_dtype, jnp.floating):
             raise UsageError(f"compute_dtype must be a floating dtype, got {compute_dtype!r}")
         self.mesh, self.links, self.compute_dtype = mesh, links, compute_dtype

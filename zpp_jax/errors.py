@@ -37,6 +37,21 @@ def check_positive_finite(name: str, value, what: str) -> None:
         raise UsageError(f"{name} must be a positive finite {what}, got {value!r}")
 
 
+def check_optimizer(optimizer) -> None:
+    """Raise UsageError unless `optimizer` is an optax
+    GradientTransformation (something with `init` and `update`), naming
+    the common slip of passing optax's factory itself."""
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        return
+    got = type(optimizer).__name__
+    if callable(optimizer):
+        name = getattr(optimizer, "__name__", got)
+        got = f"{got} {name}: call it to make one, such as {name}(3e-4)"
+    raise UsageError(
+        f"optimizer must be an optax.GradientTransformation (such as optax.adamw(3e-4)), got {got}"
+    )
+
+
 def check_positive_ints(obj, names, prefix: str = "") -> None:
     """Raise UsageError unless each attribute `names` of `obj` is an int > 0."""
     for name in names:

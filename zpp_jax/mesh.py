@@ -59,10 +59,11 @@ def make_mesh(
     _check_positive("nodes", nodes)
     _check_positive("local", local)
     if nodes * local != len(devices):
+        fewer = f", or pass devices=jax.devices()[:{nodes * local}]"
         raise UsageError(
             f"mesh nodes x local = {nodes} x {local} = {nodes * local} does not match the "
-            f"{len(devices)} devices available; choose sizes whose product is {len(devices)}, "
-            f"or pass devices=jax.devices()[:{nodes * local}]"
+            f"{len(devices)} devices available; choose sizes whose product is {len(devices)}"
+            + (fewer if nodes * local < len(devices) else "")
         )
     grid = _process_major(devices, (nodes, local))
     if grid is None:

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
-from zpp_jax.errors import UsageError, check_positive_finite
+from zpp_jax.errors import UsageError, check_optimizer, check_positive_finite
 from zpp_jax.mesh import AXES, batch_sharding, mesh_shape, on_mesh
 from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links
 from zpp_jax.overlap.relay import relay_scope
@@ -124,6 +124,7 @@ class Trainer:
         batch_axis_name: str | None = None,
     ) -> None:
         check_links(links)
+        check_optimizer(optimizer)
         self.links = links
         if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum <= 0:
             raise UsageError(f"grad_accum must be a positive int, got {grad_accum!r}")

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import UsageError, check_creatable
 from zpp_jax.hf.config import read_config
 from zpp_jax.hf.files import (
     DTYPES,
@@ -276,11 +276,12 @@ def save(
 
     Raises:
       UsageError: `path` holds files already (pass ``overwrite=True`` to
-        replace them), or an unknown `dtype`.
+        replace them), is a file or cannot be written, or an unknown `dtype`.
     """
     if dtype not in DTYPES:
         raise UsageError(f"dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     directory = pathlib.Path(path)
+    check_creatable("hf.save", directory)
     if directory.exists() and any(directory.iterdir()) and not overwrite:
         raise UsageError(f"{directory} is not empty: save into a new directory, or overwrite=True")
     if jax.process_count() > 1:  # every process has checked before process 0 writes

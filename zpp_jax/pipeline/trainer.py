@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
-from zpp_jax.errors import UsageError, check_positive_finite
+from zpp_jax.errors import UsageError, check_optimizer, check_positive_finite
 from zpp_jax.pipeline.runtime import TokenPipeline
 from zpp_jax.program import compile_for_batch, finish_step
 
@@ -71,6 +71,7 @@ class PipelineTrainer:
             )
         if max_grad_norm is not None:
             check_positive_finite("max_grad_norm", max_grad_norm, "number or None (no clipping)")
+        check_optimizer(optimizer)
         self.max_grad_norm = max_grad_norm
         self.pipe = TokenPipeline(model, mesh, slices, zero=config)
         self.mesh, self.optimizer = mesh, optimizer
