@@ -149,6 +149,9 @@ def _check_export(tmp_path, data, metrics, capfd):
     sequence length, within the checkpoint's positions."""
     out = tmp_path / "exported"
     run = str(tmp_path / "run")
+    base = ["--base", str(tmp_path / "ckpt")]
+    assert main(["export", "--ckpt-dir", run, "--hf", str(out), *base]) == 2
+    assert "this run trained every weight: drop --base" in capfd.readouterr().err
     assert main(["export", "--ckpt-dir", run, "--hf", str(out), "--dtype", "float32"]) == 0
     last = json.loads(metrics.read_text().splitlines()[-1])
     model = hf.load(out, seq_len=24)
@@ -269,6 +272,16 @@ def test_a_lora_run_trains_adapters_and_exports_them_merged(tmp_path, capfd):
     assert "the run's base checkpoint" in capfd.readouterr().err
     assert main([*export, "--hf", str(tmp_path / "y"), "--base", str(tmp_path / "moved")]) == 0
     capfd.readouterr()
+    for base, message in (
+        (data, "is not a Hugging Face checkpoint's directory (no config.json there)"),
+        (tmp_path / "nowhere", "is not a Hugging Face checkpoint's directory"),
+    ):
+        assert main([*export, "--hf", str(tmp_path / "z"), "--base", str(base)]) == 2
+        assert message in capfd.readouterr().err
+    codes = ["--hf", str(tmp_path / "z"), "--merge-onto", "codes", "--base", str(other)]
+    assert main([*export, *codes]) == 2
+    assert "--merge-onto codes reads none: drop one" in capfd.readouterr().err
+    assert not (tmp_path / "z").exists()
     assert main(["export", "--ckpt-dir", run, "--hf", str(tmp_path / "x"), "--step", "7"]) == 2
     assert "no checkpoint 7; it holds checkpoints [6]" in capfd.readouterr().err
     moved = tmp_path / "moved"

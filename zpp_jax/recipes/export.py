@@ -181,8 +181,9 @@ def export_hf(
 
     Raises:
       UsageError: `out` not empty (without `overwrite`), no checkpoint, a
-        run with no config.json (a GPT), a token-pipeline run, or with
-        "base" a base checkpoint that is gone or is not the run's.
+        run with no config.json (a GPT), a token-pipeline run, with "base" a
+        base checkpoint that is gone or is not the run's, or a `base` given
+        with "codes" or for a run that trained every weight.
     """
     import jax
 
@@ -192,7 +193,17 @@ def export_hf(
     _check_export(ckpt_dir, out, dtype, overwrite)
     if merge_onto not in ("base", "codes"):
         raise UsageError(f"--merge-onto {merge_onto!r}: choose base or codes")
+    if base is not None and merge_onto == "codes":
+        raise UsageError(
+            "--base is the checkpoint a merge onto the base reads, and --merge-onto codes reads "
+            "none: drop one"
+        )
     model, cfg, step = restore_run_model(ckpt_dir, step)
+    if base is not None and cfg.lora is None:
+        raise UsageError(
+            "--base is the checkpoint a LoRA run's adapters merge onto, and this run trained "
+            "every weight: drop --base"
+        )
     if cfg.lora is not None:
         from zpp_jax.lora import merge_lora
         from zpp_jax.sharded import unshard
@@ -218,6 +229,11 @@ def _base_directory(ckpt_dir: pathlib.Path, step: int, base) -> pathlib.Path:
     from zpp_jax.hf.files import fingerprint
     from zpp_jax.recipes.runs import BASE_FILE
 
+    if base is not None and not (pathlib.Path(base) / CONFIG_FILE).is_file():
+        raise UsageError(
+            f"--base {base} is not a Hugging Face checkpoint's directory (no config.json there): "
+            "pass the directory of the checkpoint the run started from"
+        )
     if base is None:
         saved = ckpt_dir / BASE_FILE
         if not saved.is_file():
