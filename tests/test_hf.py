@@ -162,6 +162,11 @@ def test_the_same_config_in_4x_and_5x_form_reads_the_same():
     assert parse_config(legacy) == parse_config(LLAMA32_1B)
 
 
+def test_without_architectures_the_model_type_names_the_family():
+    for config in (LLAMA2_7B, MISTRAL_7B, QWEN25_05B):
+        assert parse_config({**config, "architectures": None}) == parse_config(config)
+
+
 def test_a_directory_or_its_config_file_is_read(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN25_05B))
     assert read_config(tmp_path) == read_config(tmp_path / "config.json")
@@ -191,6 +196,11 @@ def test_a_directory_or_its_config_file_is_read(tmp_path):
             "original_max_position_embeddings",
         ),
         ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+        (
+            {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+            "a quantized checkpoint (gptq); zpp_jax.hf reads unquantized weights",
+        ),
+        ({"architectures": None, "model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         ({"vocab_size": None}, "vocab_size must be a positive integer, got None"),
         ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),

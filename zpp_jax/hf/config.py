@@ -135,7 +135,12 @@ def _first_id(value) -> int | None:
 
 
 def _family(data: dict, source: str) -> tuple:
-    architectures = data.get("architectures") or []
+    """(model_type, default rms_norm_eps, q/k/v biases) of the checkpoint's
+    architecture; without ``architectures``, of its ``model_type``, as
+    transformers reads it."""
+    architectures = data.get("architectures") or [
+        name for name, (kind, _, _) in FAMILIES.items() if kind == data.get("model_type")
+    ]
     supported = ", ".join(sorted(FAMILIES))
     known = [a for a in architectures if a in FAMILIES]
     if not known:
@@ -151,6 +156,14 @@ def _family(data: dict, source: str) -> tuple:
 
 
 def _check_supported(data: dict, source: str) -> None:
+    quantized = data.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise UsageError(
+            f"{source}: a quantized checkpoint ({method}); zpp_jax.hf reads unquantized "
+            "weights: use the model's unquantized checkpoint (zpp quantizes frozen weights "
+            "itself, with --frozen-bits)"
+        )
     if data.get("mlp_bias"):
         raise UsageError(f"{source}: mlp_bias=true is not supported (the MLP has no biases)")
     act = data.get("hidden_act", "silu")
