@@ -128,6 +128,27 @@ def test_batch_must_split_evenly(mesh24):
         tr.train_step.trace(tr.abstract_state(), batch)
 
 
+def test_a_batch_the_default_loss_cannot_read_is_named(mesh24):
+    """While the step is traced, before any compile: a batch of other keys
+    (Hugging Face's), of floats, of one dimension, of unlike shapes, or
+    whose arrays have unlike row counts."""
+    tr = Trainer(GPT(CFG, nnx.Rngs(0)), optax.sgd(0.1), mesh24, ZeroPPConfig())
+    good = jax.tree.map(jnp.asarray, _batch(b=8))
+    tokens, targets = good["inputs"], good["targets"]
+    cases = [
+        ({"input_ids": tokens, "labels": targets}, r"got \['input_ids', 'labels'\]: rename"),
+        ((tokens, targets), "reads a dict of 'inputs' and 'targets' .* got tuple"),
+        ({"inputs": tokens * 1.0, "targets": targets}, "holds token ids, integers: got float32"),
+        ({"inputs": tokens[:, :8], "targets": targets}, r"alike: got \{'inputs': \(8, 8\)"),
+        ({"inputs": tokens.reshape(-1)[:64], "targets": targets.reshape(-1)[:64]}, r"\(64,\)"),
+        ({**good, "weights": jnp.ones(16)}, r"rows first, as many in each: got \['inputs'\]"),
+        ({}, "the batch holds no array"),
+    ]
+    for batch, message in cases:
+        with pytest.raises(UsageError, match=message):
+            tr.train_step.trace(tr.abstract_state(), batch)
+
+
 # A non-finite update's skip stays in the loop (test_a_step_whose_update_is_not_finite_is_skipped).
 @pytest.mark.slow
 @pytest.mark.parametrize("error_feedback", [False, True])

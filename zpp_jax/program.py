@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from zpp_jax.errors import UsageError
 from zpp_jax.mesh import LOCAL
 from zpp_jax.overlap.links import compile_with_links
 
@@ -99,6 +100,26 @@ def clip_to_norm(grads: PyTree, norm: jax.Array, max_norm: float) -> PyTree:
     optax's per-element divide is a pass of its own)."""
     factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
     return jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+
+
+def batch_rows(batch: PyTree) -> int:
+    """The rows of a global `batch`: the leading dimension every array of it
+    shares (the dimension the devices split).
+
+    Raises:
+      UsageError: a batch with no array, or arrays whose first dimensions
+        differ or that have none (each names its path and shape).
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+        raise UsageError(f"the batch holds no array (got {type(batch).__name__})")
+    firsts = {jnp.shape(x)[0] if jnp.ndim(x) else None for _, x in leaves}
+    if len(firsts) != 1 or None in firsts:
+        shapes = ", ".join(f"{jax.tree_util.keystr(k)}: {jnp.shape(x)}" for k, x in leaves)
+        raise UsageError(
+            f"every array of a batch has its rows first, as many in each: got {shapes}"
+        )
+    return firsts.pop()
 
 
 def compile_for_batch(program, batch: dict, compiler_options: dict | None = None):

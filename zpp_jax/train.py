@@ -19,7 +19,7 @@ that `Checkpointer` saves as it is.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -35,7 +35,7 @@ from zpp_jax.errors import UsageError, check_optimizer, check_positive_finite
 from zpp_jax.mesh import AXES, batch_sharding, mesh_shape, on_mesh
 from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links
 from zpp_jax.overlap.relay import relay_scope
-from zpp_jax.program import compile_for_batch, finish_step
+from zpp_jax.program import batch_rows, compile_for_batch, finish_step
 from zpp_jax.shard import Policy, shard
 from zpp_jax.sharded import compiler_options, value_and_grad
 from zpp_jax.unit import expect_units
@@ -64,7 +64,28 @@ def next_token_loss(model: nnx.Module, batch: dict) -> jax.Array:
     fine-tuning examples weights (its completions), else over all of them.
     With ``grad_accum`` micro-batches, a step's loss is the mean of each
     micro-batch's weighted mean."""
+    check_token_batch(batch)
     return cross_entropy(model(batch["inputs"]), batch["targets"], batch.get("weights"))
+
+
+def check_token_batch(batch) -> None:
+    """Raise UsageError unless `batch` is what `next_token_loss` reads: a
+    dict of integer ``inputs`` and ``targets`` of one (rows, tokens) shape,
+    and optionally ``weights`` of that shape. Reads shapes and dtypes only
+    (it runs while the step is traced, before any compile)."""
+    if not isinstance(batch, Mapping) or not {"inputs", "targets"} <= set(batch):
+        got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        raise UsageError(
+            f"the default loss reads a dict of 'inputs' and 'targets' (the token ids, and the "
+            f"ids that follow each), got {got}: rename the keys, or pass loss_fn= for a batch "
+            "of your own"
+        )
+    shapes = {k: jnp.shape(batch[k]) for k in ("inputs", "targets", "weights") if k in batch}
+    if len(set(shapes.values())) != 1 or len(shapes["inputs"]) != 2:
+        raise UsageError(f"inputs, targets and weights are (rows, tokens), alike: got {shapes}")
+    for key in ("inputs", "targets"):
+        if not jnp.issubdtype(jnp.result_type(batch[key]), jnp.integer):
+            raise UsageError(f"batch[{key!r}] holds token ids, integers: got {batch[key].dtype}")
 
 
 class Trainer:
@@ -219,7 +240,7 @@ class Trainer:
     # -- compiled functions ---------------------------------------------------
 
     def _train_step(self, state: nnx.State, batch: dict) -> tuple[nnx.State, dict]:
-        self.check_batch_size(jax.tree.leaves(batch)[0].shape[0])
+        self.check_batch_size(batch_rows(batch))
         model, optimizer = nnx.merge(self._graphdef, state, copy=True)
         with expect_units("the Trainer's loss_fn"):
             if self.grad_accum == 1:
@@ -274,7 +295,7 @@ class Trainer:
         return loss / k, jax.tree.map(lambda g: g / k, grads)
 
     def _eval_step(self, state: nnx.State, batch: dict) -> jax.Array:
-        self.check_batch_size(jax.tree.leaves(batch)[0].shape[0])
+        self.check_batch_size(batch_rows(batch))
         model, _ = nnx.merge(self._graphdef, state, copy=True)
         model.eval()
         with relay_scope():
