@@ -170,18 +170,25 @@ def spread(reports: dict) -> str:
     return pages.table(header, rows)
 
 
-def page(rows: dict, reports: dict, spread_reports: dict, made: dict) -> str:
-    lines = [
-        "| model | method | GB across nodes per GPU | XLA's step estimate, ms | exposed, ms |",
-        "|---|---|---|---|---|",
-    ]
+def summary_table(rows: dict) -> str:
+    """Per model and method: bytes across nodes, XLA's step and exposed
+    estimates, and each method's step over ZeRO++'s."""
+    header = ["model", "method", "GB across nodes per GPU", "XLA's step estimate, ms"]
+    header += ["exposed, ms", "step / ZeRO++'s step"]
+    out = []
     for model, by_config in rows.items():
+        ours = by_config["zeropp"]["step_ms"]
         for config in CONFIGS:
             r = by_config[config]
             step = "none" if r["step_ms"] is None else f"{r['step_ms']:.1f}"
             exposed = "none" if r["exposed_ms"] is None else f"{r['exposed_ms']:.1f}"
-            gb = r["cross_node_bytes"] / 1e9
-            lines.append(f"| {model} | {LABELS[config]} | {gb:.3f} | {step} | {exposed} |")
+            ratio = "none" if r["step_ms"] is None or not ours else f"{r['step_ms'] / ours:.2f}"
+            gb = f"{r['cross_node_bytes'] / 1e9:.3f}"
+            out.append([model, LABELS[config], gb, step, exposed, ratio])
+    return pages.table(header, out)
+
+
+def page(rows: dict, reports: dict, spread_reports: dict, made: dict) -> str:
     return (
         "# ZeRO-3, ZeRO++ and jit compiled for H200s: XLA's estimates\n\n"
         f"Made by `{made['command']}` with the gpu-aot extra. "
@@ -192,7 +199,7 @@ def page(rows: dict, reports: dict, spread_reports: dict, made: dict) -> str:
         'cost model, with the engine\'s link model), not measurements; "none" where XLA '
         "gives no estimate (a program with a loop). GPT 125m: batch 8 x 1024 tokens; "
         "Llama 7B: batch 8 x 2048. Data: [gpu_schedule.json](gpu_schedule.json).\n\n"
-        + "\n".join(lines)
+        + summary_table(rows)
         + "\n\n![bytes and steps](gpu_schedule.png)\n\n"
         "## Each step in detail\n\n"
         '"Behind a GEMM" counts a step\'s collectives (loop trip counts applied) with at '
@@ -217,18 +224,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument(
+        "--render", action="store_true", help="only redraw the page from --out's gpu_schedule.json"
+    )
     args = parser.parse_args()
-    pages.prepare(args.out, "gpu_schedule", args.overwrite)
-    reports = {model: compile_reports(flags) for model, flags in MODELS.items()}
-    spread_reports = {m: compile_reports(f, SPREAD_CONFIGS) for m, f in SPREAD.items()}
-    rows = summary(reports)
-    # Each report without its per-collective list (`zpp comm --json` has it).
-    kept, spread_kept = _without_collectives(reports), _without_collectives(spread_reports)
-    made = {"command": pages.command(), "machine": pages.machine()}
-    data = {**made, "summary": rows, "reports": kept, "spread": spread_kept}
-    pages.write_json(args.out, "gpu_schedule", data)
-    plot(rows, args.out / "gpu_schedule.png")
-    pages.write_page(args.out, page(rows, kept, spread_kept, made))
+    if args.render:
+        data = json.loads((args.out / "gpu_schedule.json").read_text())
+    else:
+        pages.prepare(args.out, "gpu_schedule", args.overwrite)
+        reports = {model: compile_reports(flags) for model, flags in MODELS.items()}
+        spread_reports = {m: compile_reports(f, SPREAD_CONFIGS) for m, f in SPREAD.items()}
+        made = {"command": pages.command(), "machine": pages.machine()}
+        # Each report without its per-collective list (`zpp comm --json` has it).
+        kept, spread_kept = _without_collectives(reports), _without_collectives(spread_reports)
+        data = {**made, "summary": summary(reports), "reports": kept, "spread": spread_kept}
+        pages.write_json(args.out, "gpu_schedule", data)
+    plot(data["summary"], args.out / "gpu_schedule.png")
+    made = {"command": data["command"], "machine": data["machine"]}
+    pages.write_page(args.out, page(data["summary"], data["reports"], data["spread"], made))
 
 
 def _without_collectives(reports: dict) -> dict:
