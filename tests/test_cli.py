@@ -77,6 +77,23 @@ def test_zero3_rejects_technique_flags(capsys, command, flags):
     assert all(f in err for f in flags if f.startswith("--"))
 
 
+@pytest.mark.parametrize(
+    "flags, idle",
+    [
+        (["--no-qwz", "--weight-bits", "4"], "--weight-bits would have no effect: --no-qwz"),
+        (["--block-size", "64", "--no-qwz"], "--block-size would have no effect: --no-qwz"),
+        (
+            ["--no-qgz", "--gradient-bits", "8", "--gradient-rounding", "nearest"],
+            "--gradient-bits, --gradient-rounding would have no effect: --no-qgz",
+        ),
+    ],
+)
+def test_a_setting_of_a_technique_switched_off_is_refused(capsys, flags, idle):
+    assert main(["train", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and idle in err[0], err
+
+
 def test_module_entry_point():
     r = subprocess.run([sys.executable, "-m", "zpp_jax", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "demo" in r.stdout

@@ -44,6 +44,18 @@ def _add_technique_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+# A technique's own settings: a flag of these with its technique off does nothing.
+_SETTINGS_OF = {
+    "quantize_weights": ("weight_bits", "block_size"),
+    "quantize_gradients": (
+        "gradient_bits",
+        "gradient_block_size",
+        "gradient_rounding",
+        "gradient_scale_dtype",
+    ),
+}
+
+
 def _config_from_args(args):
     """The ZeroPPConfig the technique flags describe."""
     given = given_flags(_config.ZeroPPConfig, args)
@@ -53,7 +65,8 @@ def _config_from_args(args):
             raise UsageError(
                 f"--zero3 and --config {args.config} both choose the techniques; drop one"
             )
-        return _config.ZeroPPConfig.from_file(args.config).replace(**given, **common)
+        config = _config.ZeroPPConfig.from_file(args.config).replace(**given, **common)
+        return _check_settings_take_effect(config, given)
     if args.zero3:
         if given:
             fields = {f.name: f for f in dataclasses.fields(_config.ZeroPPConfig)}
@@ -66,7 +79,22 @@ def _config_from_args(args):
             )
         base = {"comm_dtype": _RUN.zero.comm_dtype, "remat": _RUN.zero.remat}
         return _config.ZeroPPConfig.zero3(**{**base, **common})
-    return _RUN.zero.replace(**given, **common)
+    return _check_settings_take_effect(_RUN.zero.replace(**given, **common), given)
+
+
+def _check_settings_take_effect(config, given: dict):
+    """`config`, unless a flag in `given` sets a technique's own setting
+    while that technique is off (UsageError naming both)."""
+    fields = {f.name: f for f in dataclasses.fields(_config.ZeroPPConfig)}
+    for technique, settings in _SETTINGS_OF.items():
+        idle = [flag_name(fields[name]) for name in settings if name in given]
+        if idle and not getattr(config, technique):
+            switch = flag_name(fields[technique])
+            raise UsageError(
+                f"{', '.join(idle)} would have no effect: {switch} switches that technique "
+                "off; drop one"
+            )
+    return config
 
 
 def _use_emulated_devices(devices: int, what: str = "--nodes x --local") -> None:
