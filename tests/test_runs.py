@@ -495,9 +495,19 @@ def test_outputs_are_checked_before_the_run_and_user_files_kept(tmp_path, capfd)
 def test_api_entry_points_name_the_bad_argument(tmp_path, mesh24):
     """From Python, a bad argument is a UsageError naming it."""
     import optax
+    from flax import linen as nn
     from flax import nnx
 
-    from zpp_jax import Checkpointer, JitFSDP, Trainer, ZeroPPConfig, hf, make_mesh, shard
+    from zpp_jax import (
+        Checkpointer,
+        JitFSDP,
+        Trainer,
+        ZeroPPConfig,
+        hf,
+        make_mesh,
+        shard,
+        shard_linen,
+    )
     from zpp_jax.baseline import NoCommunication
     from zpp_jax.data import TokenDataset
 
@@ -526,6 +536,21 @@ def test_api_entry_points_name_the_bad_argument(tmp_path, mesh24):
         Trainer(model, None, mesh24)
     with pytest.raises(UsageError, match=r"= 9 does not match the 8 devices available; .* 8$"):
         make_mesh(3, 3)
+    with pytest.raises(UsageError, match="loss_fn must be a function"):
+        Trainer(model, optax.sgd(0.1), mesh24, loss_fn="mse")
+    for policy in ("blocks", 3, nnx.Linear):
+        with pytest.raises(UsageError, match=r"policy=.*: pass a function \(path, module\)"):
+            shard(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), mesh24, policy=policy)
+    for dtype, message in (
+        ("bf16", "'bf16' is not a dtype"),
+        ("int8", "must be a floating dtype .* int8"),
+    ):
+        with pytest.raises(UsageError, match=f"compute_dtype {message}"):
+            shard(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), mesh24, compute_dtype=dtype)
+    with pytest.raises(UsageError, match="shard_linen takes a Flax Linen module, got Linear"):
+        shard_linen(model, {"params": {}}, mesh24)
+    with pytest.raises(UsageError, match="'params' collection .* got NoneType"):
+        shard_linen(nn.Dense(8), None, mesh24)
 
 
 @pytest.mark.slow

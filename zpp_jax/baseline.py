@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zpp_jax.errors import UsageError, check_optimizer
+from zpp_jax.errors import UsageError, check_compute_dtype, check_optimizer
 from zpp_jax.mesh import AXES, batch_sharding, mesh_shape
 from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links, overlap_options
 from zpp_jax.overlap.loops import unroll_every_loop
@@ -104,8 +104,7 @@ class _PlainProgram:
         mesh_shape(mesh)
         check_links(links)
         check_optimizer(optimizer)
-        if compute_dtype is not None and not jnp.issubdtype(compute_dtype, jnp.floating):
-            raise UsageError(f"compute_dtype must be a floating dtype, got {compute_dtype!r}")
+        check_compute_dtype(compute_dtype)
         self.mesh, self.links, self.compute_dtype = mesh, links, compute_dtype
         self._graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))

@@ -9,6 +9,7 @@ import dataclasses
 import math
 import os
 import pathlib
+from collections.abc import Iterable
 
 
 class UsageError(ValueError):
@@ -50,6 +51,40 @@ def check_optimizer(optimizer) -> None:
     raise UsageError(
         f"optimizer must be an optax.GradientTransformation (such as optax.adamw(3e-4)), got {got}"
     )
+
+
+def check_compute_dtype(value):
+    """The floating-point dtype `value` names (None: None, the model's own
+    dtypes); UsageError for a name that is not a dtype or one that is not
+    floating point."""
+    if value is None:
+        return None
+    import jax.numpy as jnp
+
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        raise UsageError(
+            f"compute_dtype {value!r} is not a dtype: use 'bfloat16', 'float16' or 'float32'"
+        ) from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise UsageError(
+            f"compute_dtype must be a floating dtype (bfloat16, float16, float32), got {dtype.name}"
+        )
+    return dtype
+
+
+def check_policy(policy, api: str) -> None:
+    """Raise UsageError unless `policy` (which submodules are units) is None,
+    a function, or a sequence of module types or paths that is not a
+    string."""
+    if policy is None or (callable(policy) and not isinstance(policy, type)):
+        return
+    if isinstance(policy, str | bytes | type) or not isinstance(policy, Iterable):
+        raise UsageError(
+            f"{api} policy={policy!r}: pass a function (path, module) -> bool, a list of module "
+            "types such as [nnx.Linear], or a list of paths such as [('blocks', 0)]"
+        )
 
 
 def check_positive_ints(obj, names, prefix: str = "") -> None:

@@ -50,7 +50,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from zpp_jax.config import ZeroPPConfig, check_block_sizes
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import UsageError, check_compute_dtype, check_policy
 from zpp_jax.frozen import FrozenParam, FrozenWeights, call_operands, freeze_unit
 from zpp_jax.mesh import AXES, mesh_shape, on_mesh
 from zpp_jax.metadata import (
@@ -284,8 +284,9 @@ def shard(
     check_outputs(outputs)
     check_batch_axis_name(batch_axis_name)
     _check_model(model, mesh, config)
+    check_policy(policy, "zpp.shard")
+    dtype = check_compute_dtype(compute_dtype)
     units, frozen = _select(model, policy), _freeze_predicate(freeze)
-    dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
     rules = rules if rules is not None else nn.get_logical_axis_rules()
     along = check_shard_along(shard_along)
     plan = _Plan(mesh, config, dtype, outputs, frozen, batch_axis_name, rules, along)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextvars
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from zpp_jax._compat import is_tracer
 from zpp_jax.config import ZeroPPConfig, check_block_sizes
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import UsageError, check_compute_dtype, check_policy
 from zpp_jax.mesh import AXES, place, shard_dim
 from zpp_jax.metadata import (
     SHARD_ALONG,
@@ -354,10 +354,16 @@ def shard_linen(
             "this model is already sharded (zpp.shard_linen ran on it): use it as it is, or "
             "shard the original module"
         )
+    if not isinstance(module, nn.Module):
+        raise UsageError(
+            f"zpp.shard_linen takes a Flax Linen module, got {type(module).__name__}; for NNX "
+            "use zpp.shard"
+        )
+    check_policy(policy, "zpp.shard_linen")
+    dtype = check_compute_dtype(compute_dtype)
     boxed = _checked_params(variables, config)
     params = {path: unboxed(v) for path, v in boxed.items()}
     units = _select(params, policy)
-    dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
     rules = rules if rules is not None else nn.get_logical_axis_rules()
     sharded, split_dims = _placed(boxed, mesh, config, rules, check_shard_along(shard_along))
     infos = {}
@@ -388,8 +394,12 @@ def _checked_params(variables: dict, config: ZeroPPConfig) -> dict:
     """The ``"params"`` of `variables`, flat by path (boxed, if they were);
     raises UsageError unless there are some, all floating point, and
     `config`'s blocks fit them."""
-    if "params" not in variables:
-        raise UsageError("shard_linen needs the model's variables with a 'params' collection")
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        raise UsageError(
+            "shard_linen needs the model's variables with a 'params' collection (what "
+            f"module.init returns), got {type(variables).__name__}"
+            + (f" with {sorted(variables)}" if isinstance(variables, Mapping) else "")
+        )
     boxed = flatten_dict(dict(variables["params"]))
     for path, value in boxed.items():
         dtype = jnp.dtype(jnp.result_type(unboxed(value)))

@@ -146,6 +146,8 @@ class Trainer:
     ) -> None:
         check_links(links)
         check_optimizer(optimizer)
+        if not callable(loss_fn):
+            raise UsageError(f"loss_fn must be a function (model, batch) -> loss, got {loss_fn!r}")
         self.links = links
         if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum <= 0:
             raise UsageError(f"grad_accum must be a positive int, got {grad_accum!r}")
