@@ -10,7 +10,9 @@ do. Run from the repository root:
     JAX_PLATFORMS=cpu ZPP_GPU_TARGET_CONFIG=h200.txtpb \\
         python tests/gpu_baselines/regenerate.py [--out FILE] [--check]
 
-``--check`` writes nothing and exits 1 when a record differs.
+``--check`` writes nothing and exits 1 when a record differs. ``--only
+KEY ...`` compiles those cases alone and keeps the file's other records
+(same jax only): for a change known to touch only those steps.
 """
 
 import argparse
@@ -31,10 +33,13 @@ import gpu_cases  # noqa: E402
 BASELINE = HERE / "overlap.json"
 
 
-def records() -> dict:
+def records(only=None) -> dict:
+    """The schedule record of every case, or of the cases keyed in `only`."""
     out = {}
     for name, config, unroll in gpu_cases.CASES:
         key = gpu_cases.key(name, config, unroll)
+        if only is not None and key not in only:
+            continue
         print(f"compiling {key}", file=sys.stderr, flush=True)
         out[key] = gpu_cases.schedule_record(gpu_cases.report(name, config, unroll=unroll))
     return out
@@ -53,9 +58,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(BASELINE), help="where to write (default: overlap.json)")
     p.add_argument("--check", action="store_true", help="compare only; exit 1 on a difference")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        metavar="KEY",
+        help="compile these cases (e.g. llama-7b/zeropp_ef) and keep the file's other records; "
+        "the file must have been made by this jax",
+    )
     args = p.parse_args(argv)
     old = json.loads(BASELINE.read_text()) if BASELINE.exists() else {}
-    new = records()
+    keys = {gpu_cases.key(*case) for case in gpu_cases.CASES}
+    if args.only and set(args.only) - keys:
+        return f"--only: unknown cases {sorted(set(args.only) - keys)}; cases: {sorted(keys)}"
+    if args.only and old.get("jax") != jax.__version__:
+        return f"--only: the file was made by jax {old.get('jax')}, this is {jax.__version__}"
+    kept = {k: v for k, v in old.get("cases", {}).items() if args.only and k not in args.only}
+    new = {**kept, **records(args.only)}
     diff = differences(old.get("cases", {}), new)
     print(f"baseline made with jax {old.get('jax')}; this is jax {jax.__version__}")
     print("\n".join(diff) if diff else "no difference from the baseline")
