@@ -176,6 +176,7 @@ def default_units(model: nnx.Module) -> list[Path]:
 
 
 def _select(model: nnx.Module, policy: Policy) -> list[Path]:
+    check_policy(policy, "zpp.shard")
     if policy is None:
         units = default_units(model)
     else:
@@ -284,7 +285,6 @@ def shard(
     check_outputs(outputs)
     check_batch_axis_name(batch_axis_name)
     _check_model(model, mesh, config)
-    check_policy(policy, "zpp.shard")
     dtype = check_compute_dtype(compute_dtype)
     units, frozen = _select(model, policy), _freeze_predicate(freeze)
     rules = rules if rules is not None else nn.get_logical_axis_rules()

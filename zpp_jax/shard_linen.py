@@ -349,17 +349,7 @@ def shard_linen(
     config = ZeroPPConfig.check(config)
     check_outputs(outputs)
     check_batch_axis_name(batch_axis_name)
-    if isinstance(module, ShardedLinen):
-        raise UsageError(
-            "this model is already sharded (zpp.shard_linen ran on it): use it as it is, or "
-            "shard the original module"
-        )
-    if not isinstance(module, nn.Module):
-        raise UsageError(
-            f"zpp.shard_linen takes a Flax Linen module, got {type(module).__name__}; for NNX "
-            "use zpp.shard"
-        )
-    check_policy(policy, "zpp.shard_linen")
+    _check_module(module, policy)
     dtype = check_compute_dtype(compute_dtype)
     boxed = _checked_params(variables, config)
     params = {path: unboxed(v) for path, v in boxed.items()}
@@ -388,6 +378,22 @@ def shard_linen(
     if config.error_feedback:
         out[RESIDUALS] = _zero_residuals(params, infos, mesh)
     return ShardedLinen(module, infos), out
+
+
+def _check_module(module, policy) -> None:
+    """Raise UsageError unless `module` is a Linen module not yet sharded
+    and `policy` has a policy's form."""
+    if isinstance(module, ShardedLinen):
+        raise UsageError(
+            "this model is already sharded (zpp.shard_linen ran on it): use it as it is, or "
+            "shard the original module"
+        )
+    if not isinstance(module, nn.Module):
+        raise UsageError(
+            f"zpp.shard_linen takes a Flax Linen module, got {type(module).__name__}; for NNX "
+            "use zpp.shard"
+        )
+    check_policy(policy, "zpp.shard_linen")
 
 
 def _checked_params(variables: dict, config: ZeroPPConfig) -> dict:
