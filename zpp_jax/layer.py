@@ -29,6 +29,7 @@ from zpp_jax.errors import UsageError
 from zpp_jax.mesh import AXES, LOCAL, NODE, mesh_shape
 from zpp_jax.overlap import relay
 from zpp_jax.partition import Layout, primary_spec
+from zpp_jax.tensor import ModelSplit
 from zpp_jax.wire import WeightWire
 
 PyTree = Any
@@ -91,6 +92,7 @@ class ShardedLayer:
         reduction: str = "mean",
         prefetch: bool = False,
         frozen: WeightWire | None = None,
+        model_split: ModelSplit | None = None,
     ) -> None:
         if reduction not in ("mean", "sum"):
             raise UsageError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -105,13 +107,21 @@ class ShardedLayer:
         self._order = relay.LayerOrder(prefetch=prefetch, hpz=config.hpz)
         self._wire = None if layout is None else WeightWire(layout, config, compute_dtype)
         self._frozen = frozen
+        self.model_split = model_split
         self._apply = _build(self)
         self._held = _build_held(self)
 
+    @property
+    def _shard_shape(self) -> tuple[int]:
+        """This device's vector: s, or with tensor parallelism t x s (a
+        rank's vector each, along `model`)."""
+        degree = 1 if self.model_split is None else self.model_split.degree
+        return (degree * self.layout.shard_size,)
+
     def __call__(self, shard: jax.Array, x: Any, residual: jax.Array | None = None) -> Any:
-        if shard.shape != (self.layout.shard_size,):
+        if shard.shape != self._shard_shape:
             raise UsageError(
-                f"shard has shape {shard.shape}, expected ({self.layout.shard_size},): call the "
+                f"shard has shape {shard.shape}, expected {self._shard_shape}: call the "
                 "layer inside jax.shard_map with the spec of zpp_jax.lowlevel.primary_spec()"
             )
         if self.config.error_feedback and residual is None:
@@ -194,6 +204,8 @@ class ShardedLayer:
         """
         if self.config.error_feedback and residual is None:
             raise UsageError("config.error_feedback is on: pass the layer's residual")
+        if self.model_split is not None:
+            raise UsageError("a held layer (a pipeline stage's) takes no tensor parallelism")
         return self._held(shard, residual)
 
     def residual_size(self, nodes: int, local: int) -> int:
@@ -213,6 +225,13 @@ class ShardedLayer:
     # -- the pieces the custom_vjp is built from -------------------------------
 
     def _gather_forward(self, source, token=None):
+        """`_gather_rank`, or with tensor parallelism per model rank
+        (`ModelSplit.gather`)."""
+        if self.model_split is None:
+            return self._gather_rank(source, token)
+        return self.model_split.gather(self._gather_rank, source, self.layout, self.config.hpz)
+
+    def _gather_rank(self, source, token=None):
         """The full parameters (a pytree) and the hpZ secondary (or None).
         `source`: the primary shard, or with frozen weights (shard or None,
         frozen wire); the parameters are then (params or None, frozen
@@ -242,7 +261,9 @@ class ShardedLayer:
         if not self.config.hpz:
             return self._gather_forward(saved)[0]
         with jax.named_scope("zpp_gather"):
-            return self._assemble(saved)
+            if self.model_split is None:
+                return self._assemble(saved)
+            return self.model_split.assemble(self._assemble, saved, self.layout)
 
     def _assemble(self, secondary):
         """Secondary (nodes, ...) -> gathered over `local` -> the full weight.
@@ -270,6 +291,17 @@ class ShardedLayer:
         return mine, self._frozen.decode(frozen, swapped)
 
     def _reduce(self, grads, residual):
+        """`_reduce_rank`, or with tensor parallelism per model rank
+        (`ModelSplit.reduce`: no residual, and no qgZ marker, which only a
+        relay token would wait for)."""
+        if self.model_split is None:
+            return self._reduce_rank(grads, residual)
+        reduce = self.model_split.reduce(
+            lambda g: self._reduce_rank(g, None)[0], grads, self.layout
+        )
+        return reduce, None, None
+
+    def _reduce_rank(self, grads, residual):
         """The layer's weight gradient (a pytree) -> this device's shard of
         the mean (or sum) over all devices, the new residual (or None), and
         (1,) float32 zeros that exist once qgZ's step inside the node has

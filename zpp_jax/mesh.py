@@ -1,5 +1,7 @@
 """The two-level device mesh: `node` (hosts, slow links) x `local` (devices
-of one host); with a token pipeline, a `stage` axis in front."""
+of one host); with tensor parallelism, a `model` axis after them (the
+devices of one host that split each layer's matrices); with a token
+pipeline, a `stage` axis in front."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from zpp_jax.errors import UsageError
 
 NODE = "node"
 LOCAL = "local"
-AXES = (NODE, LOCAL)
+AXES = (NODE, LOCAL)  # the data-parallel axes, over which ZeRO++ shards
+MODEL = "model"  # the tensor-parallel axis, which XLA partitions
 STAGE = "stage"
 
 
@@ -24,8 +27,11 @@ def make_mesh(
     nodes: int | None = None,
     local: int | None = None,
     devices: Sequence[jax.Device] | None = None,
+    *,
+    model: int = 1,
 ) -> Mesh:
-    """Build the (`node`, `local`) mesh.
+    """Build the (`node`, `local`) mesh, or with ``model > 1`` the (`node`,
+    `local`, `model`) mesh of tensor parallelism.
 
     With several processes (`jax.distributed`), node = process and local = that
     process's devices: the sizes default to `jax.process_count()` and
@@ -33,8 +39,12 @@ def make_mesh(
     `local` axis never crosses a host. In one process (e.g. emulated CPU devices)
     the given sizes split `devices` (default: all of them) node-major.
 
-    Both axes are `Auto` on purpose: the engine addresses them by name inside
-    `jax.shard_map`.
+    `model`: the tensor-parallel degree, the innermost axis, so that a
+    layer's matrices are split among devices of one host (NVLink) and ZeRO++
+    runs over (`node`, `local`): a process holds ``local x model`` devices.
+
+    All axes are `Auto` on purpose: the engine addresses `node` and `local` by
+    name inside `jax.shard_map`, and XLA partitions `model`.
 
     Raises:
       ValueError: sizes that are not positive, or whose product does not equal
@@ -43,6 +53,9 @@ def make_mesh(
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise UsageError("make_mesh got an empty device list")
+    _check_positive("model", model)
+    if model > 1:
+        return _tensor_parallel_mesh(nodes, local, model, devices)
     nprocs = len({d.process_index for d in devices})
     if nodes is None and local is None:
         nodes = nprocs
@@ -72,6 +85,28 @@ def make_mesh(
             f"{nprocs} processes use nodes={nprocs} (node = process)"
         )
     return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _tensor_parallel_mesh(nodes, local, model: int, devices: list) -> Mesh:
+    """The (`node`, `local`, `model`) mesh: `make_mesh` over groups of
+    `model` consecutive devices of one process."""
+    if len(devices) % model:
+        raise UsageError(f"mesh model={model} does not divide the {len(devices)} devices available")
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    groups = [ordered[i : i + model] for i in range(0, len(ordered), model)]
+    if any(len({d.process_index for d in g}) != 1 for g in groups):
+        raise UsageError(
+            f"the model axis of size {model} would span several processes: it must divide "
+            "each process's device count"
+        )
+    try:
+        leaders = make_mesh(nodes, local, [g[0] for g in groups])
+    except UsageError as e:
+        raise UsageError(f"{e} (after model={model} devices per group)") from None
+    first = {g[0]: g for g in groups}
+    grid = np.array([[first[d] for d in row] for row in leaders.devices], dtype=object)
+    axes = (*AXES, MODEL)
+    return Mesh(grid.reshape(*leaders.devices.shape, model), axes, axis_types=(AxisType.Auto,) * 3)
 
 
 def make_pipeline_mesh(
@@ -140,6 +175,17 @@ def mesh_shape(mesh: Mesh) -> tuple[int, int]:
     return mesh.shape[NODE], mesh.shape[LOCAL]
 
 
+def model_size(mesh: Mesh) -> int:
+    """The tensor-parallel degree of `mesh`: its `model` axis (1 without one)."""
+    return mesh.shape.get(MODEL, 1)
+
+
+def data_size(mesh: Mesh) -> int:
+    """N, the data-parallel devices ZeRO++ shards over: nodes x local."""
+    nodes, local = mesh_shape(mesh)
+    return nodes * local
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batches for a `shard`ed model: the leading axis over every device."""
     mesh_shape(mesh)
@@ -189,40 +235,46 @@ def shard_dim(
     stacked: bool,
     keep_below: int = 0,
     prefer: int | None = None,
+    taken: int | None = None,
 ) -> int | None:
     """The dimension a parameter is split along: `prefer` (a dimension its
     partitioning metadata names) if N divides it, else the first one (after
     a stack's layer axis) that N divides, so that a block is a contiguous
     run; None (kept whole on every device) when none does, or when it holds
-    fewer than `keep_below` elements (per layer of a stack)."""
+    fewer than `keep_below` elements (per layer of a stack). Never `taken`
+    (the dimension tensor parallelism splits)."""
     first = 1 if stacked and len(shape) > 1 else 0
     if math.prod(shape[first:]) < keep_below:
         return None
-    if prefer is not None and first <= prefer < len(shape) and shape[prefer] % n == 0:
+    if prefer not in (None, taken) and first <= prefer < len(shape) and shape[prefer] % n == 0:
         return prefer
     for d in range(first, len(shape)):
-        if shape[d] % n == 0:
+        if d != taken and shape[d] % n == 0:
             return d
     return None
 
 
-def spec_along(ndim: int, dim: int | None) -> P:
-    """The PartitionSpec that splits dimension `dim` over every device."""
-    if dim is None:
+def spec_along(ndim: int, dim: int | None, model_dim: int | None = None) -> P:
+    """The PartitionSpec that splits dimension `dim` over the data-parallel
+    devices (`node`, `local`) and `model_dim` over `model`."""
+    if dim is None and model_dim is None:
         return P()
-    return P(*[AXES if i == dim else None for i in range(ndim)])
+    return P(*[AXES if i == dim else MODEL if i == model_dim else None for i in range(ndim)])
 
 
-def place(value, mesh: Mesh, dim: int | None) -> jax.Array | jax.ShapeDtypeStruct:
-    """`value` stored split along `dim` over every device of `mesh` (whole
-    on every device when `dim` is None). An abstract value (a
+def place(
+    value, mesh: Mesh, dim: int | None, model_dim: int | None = None
+) -> jax.Array | jax.ShapeDtypeStruct:
+    """`value` stored split along `dim` over the data-parallel devices of
+    `mesh` and along `model_dim` over its `model` axis (whole on every
+    device when both are None). An abstract value (a
     `jax.ShapeDtypeStruct`, as `nnx.eval_shape` makes) stays abstract and
     gains the sharding: nothing is allocated, so a model can be sharded for
     devices that only exist to compile for."""
-    sharding = NamedSharding(mesh, spec_along(np.ndim(value), dim))
+    sharding = NamedSharding(mesh, spec_along(np.ndim(value), dim, model_dim))
     if isinstance(value, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
-    if dim is not None and _in_cpu_memory(value):
+    if (dim, model_dim) != (None, None) and _in_cpu_memory(value):
         # The same copies, cut by numpy from a view of the array: XLA would
         # compile a slicing program for every shape it splits.
         value = np.asarray(value)

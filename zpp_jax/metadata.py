@@ -34,7 +34,7 @@ from flax.nnx import Variable
 from jax.sharding import Mesh
 
 from zpp_jax.errors import UsageError
-from zpp_jax.mesh import place, shard_dim, spec_along
+from zpp_jax.mesh import MODEL, data_size, model_size, place, shard_dim, spec_along
 
 SHARD_ALONG = ("fsdp", "data")  # mesh axes over which FSDP rules shard parameters
 ORIGINAL = "zpp_original_sharding"  # NNX metadata key: the author's sharding metadata
@@ -109,19 +109,82 @@ def variable_preference(var: Variable, rules: Rules, along: Sequence[str]) -> in
     return preferred_dim(names, rules, along, logical=bool(rules) or own is not None)
 
 
+def model_dim(var: Variable, mesh: Mesh, rules: Rules, name: str) -> int | None:
+    """The dimension of NNX variable `var` that tensor parallelism splits
+    over `mesh`'s `model` axis: the one its sharding names map to `model`;
+    None without a `model` axis or such a name.
+
+    Raises:
+      UsageError: the degree does not divide that dimension."""
+    if model_size(mesh) == 1:
+        return None
+    dim = variable_preference(var, rules, (MODEL,))
+    return _divisible(dim, np.shape(var.get_value()), model_size(mesh), name)
+
+
+def box_model_dim(value, mesh: Mesh, rules: Rules, name: str) -> int | None:
+    """`model_dim` of a Linen parameter, boxed or not."""
+    if model_size(mesh) == 1:
+        return None
+    dim = box_preference(value, rules, (MODEL,))
+    return _divisible(dim, np.shape(unboxed(value)), model_size(mesh), name)
+
+
+def _divisible(dim: int | None, shape: tuple, degree: int, name: str) -> int | None:
+    if dim is not None and shape[dim] % degree:
+        raise UsageError(
+            f"parameter {name} of shape {shape}: the tensor-parallel degree {degree} does not "
+            f"divide its dimension {dim} ({shape[dim]}), which its sharding names map to "
+            f"'{MODEL}'; use a degree that divides it"
+        )
+    return dim
+
+
+def check_model_axis(dims: Sequence[int | None], mesh: Mesh, refused: str | None = None) -> None:
+    """Raise UsageError if, on a mesh with a `model` axis, no parameter has
+    a dimension its sharding names map to `model` (`dims`, each
+    parameter's `model_dim`), or a technique that tensor parallelism does
+    not combine with yet (`refused`, its name) is on."""
+    degree = model_size(mesh)
+    if degree == 1:
+        return
+    if refused is not None:
+        raise UsageError(
+            f"a mesh with a '{MODEL}' axis does not yet combine with {refused}: switch it off, "
+            "or use a mesh without a model axis"
+        )
+    if all(d is None for d in dims):
+        raise UsageError(
+            f"the mesh has a '{MODEL}' axis of size {degree}, but no parameter's sharding names "
+            f"map to '{MODEL}', so nothing would be split over it: name the dimensions "
+            "(nnx.with_partitioning, nn.with_logical_partitioning) and pass rules that map them "
+            f"to it, e.g. rules=[('mlp', '{MODEL}'), ('heads', '{MODEL}')], or use a mesh "
+            "without a model axis"
+        )
+
+
 def place_variable(
-    var: Variable, mesh: Mesh, config, stacked: bool, rules: Rules, along: Sequence[str]
-) -> int | None:
-    """Store `var` split over the devices of `mesh` (`shard_dim`, preferring
-    the dimension its sharding names map to `along`); its sharding metadata
-    then describes that layout (`describe_layout`). Returns the dimension."""
+    var: Variable,
+    mesh: Mesh,
+    config,
+    stacked: bool,
+    rules: Rules,
+    along: Sequence[str],
+    name: str = "",
+) -> tuple[int | None, int | None]:
+    """Store `var` split over the data-parallel devices of `mesh`
+    (`shard_dim`, preferring the dimension its sharding names map to
+    `along`) and, with a `model` axis, along the dimension its names map to
+    `model` (`model_dim`); its sharding metadata then describes that layout
+    (`describe_layout`). Returns (the data dimension, the model dimension)."""
     value = var.get_value()
     prefer = variable_preference(var, rules, along)
+    tp = model_dim(var, mesh, rules, name)
     keep = config.persistence_threshold
-    dim = shard_dim(np.shape(value), mesh.devices.size, stacked, keep, prefer)
-    var.set_value(place(value, mesh, dim))
-    describe_layout(var, spec_along(np.ndim(value), dim), mesh)
-    return dim
+    dim = shard_dim(np.shape(value), data_size(mesh), stacked, keep, prefer, taken=tp)
+    var.set_value(place(value, mesh, dim, tp))
+    describe_layout(var, spec_along(np.ndim(value), dim, tp), mesh)
+    return dim, tp
 
 
 def describe_layout(var: Variable, spec, mesh: Mesh) -> None:

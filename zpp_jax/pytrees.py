@@ -244,3 +244,13 @@ def _unwritable(path, unit: str) -> str:
         "hold): return the value from the unit instead, or write into a dict or list that "
         "the caller passed in"
     )
+
+
+def with_values(items, values) -> nnx.State:
+    """A flat state's items with new values (variables keep their type)."""
+    return nnx.from_flat_state(
+        [
+            (p, v.replace(x) if isinstance(v, nnx.Variable) else x)
+            for (p, v), x in zip(items, values, strict=True)
+        ]
+    )

@@ -56,20 +56,22 @@ from zpp_jax.mesh import AXES, mesh_shape, on_mesh
 from zpp_jax.metadata import (
     SHARD_ALONG,
     Rules,
+    check_model_axis,
     check_shard_along,
+    model_dim,
     place_variable,
 )
 from zpp_jax.on_device import check_batch_axis_name
 from zpp_jax.outputs import Outputs, check_outputs, emptied_sown, merge_sown
 from zpp_jax.partition import quant_float_dtypes
 from zpp_jax.paths import is_container, node_at, set_at
+from zpp_jax.pytrees import with_values
 from zpp_jax.unit import (
     UnitInfo,
     check_units,
     run_unit,
     unit_infos,
     unit_scope,
-    with_values,
     zero_residual,
 )
 
@@ -229,8 +231,8 @@ def shard(
     rules: Rules = None,
     shard_along: Sequence[str] = SHARD_ALONG,
 ) -> nnx.Module:
-    """Shard `model` for ZeRO++ over `mesh` (a `make_mesh` mesh), in place.
-
+    """Shard `model` for ZeRO++ over `mesh` (a `make_mesh` mesh; one with a
+    `model` axis adds tensor parallelism: `zpp_jax.tensor`), in place.
     Returns the same module. Its ``__call__`` and the standard NNX loop
     (`nnx.Optimizer(model, tx, wrt=nnx.Param)`, `nnx.value_and_grad`,
     `nnx.jit`, `model.train()` / `model.eval()`) work unchanged; every
@@ -263,23 +265,22 @@ def shard(
         them (`zpp_jax.metadata`); `unshard` gives back the author's names.
 
     With ``config.error_feedback`` each unit also holds a `FeedbackResidual`;
-    take gradients with `zpp.value_and_grad` so that it is carried from step
-    to step. A model built abstractly (``nnx.eval_shape``) is sharded
-    abstractly: nothing is allocated, and its steps can be compiled for a
-    mesh of devices that exist only as a compile target.
+    take gradients with `zpp.value_and_grad` to carry it between steps. A
+    model built abstractly (``nnx.eval_shape``) is sharded abstractly:
+    nothing is allocated; its steps compile for a compile-only mesh.
 
-    Memory per device: each parameter's block (1/N) in its own dtype, whole
-    copies of parameters no dimension of which N divides, with error
-    feedback (1 + 1/local) x each unit's size in ``config.residual_dtype``;
-    the model's other arrays are replicated on every device.
+    Memory per device: each parameter's block (1/N; 1/(N t) split over a
+    `model` axis of t) in its own dtype, whole copies of parameters no
+    dimension of which N divides, with error feedback (1 + 1/local) x each
+    unit's size in ``config.residual_dtype``; other arrays replicated.
 
-    Values a unit sows (``sow``, `nnx.capture`) follow its outputs' rule and
-    are merged as on one device; decoding caches (`nnx.Cache`) are split
-    with the batch, so a sharded model decodes as the model does.
+    Values a unit sows (``sow``, `nnx.capture`) follow its outputs' rule;
+    decoding caches (`nnx.Cache`) are split with the batch.
 
     Raises:
       UsageError: a mesh without (`node`, `local`) axes, a policy that selects
-        no unit or overlapping units, a parameter that is not floating point.
+        no unit or overlapping units, a parameter that is not floating point,
+        a `model` axis that no parameter's names map to.
     """
     config = ZeroPPConfig.check(config)
     check_outputs(outputs)
@@ -290,6 +291,7 @@ def shard(
     rules = rules if rules is not None else nn.get_logical_axis_rules()
     along = check_shard_along(shard_along)
     plan = _Plan(mesh, config, dtype, outputs, frozen, batch_axis_name, rules, along)
+    _check_model_axis(model, plan)
     for path in units:
         _make_unit(node_at(model, path), plan, _name(path))
     _place_outside_units(model, plan, set(units))
@@ -341,6 +343,14 @@ def _check_model(model, mesh: Mesh, config: ZeroPPConfig) -> None:
         )
 
 
+def _check_model_axis(model, plan: _Plan) -> None:
+    """`check_model_axis` of the model's parameters, before any is placed."""
+    params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    dims = [model_dim(v, plan.mesh, plan.rules, _name(p)) for p, v in params]
+    refused = plan.config.error_feedback and "error feedback" or plan.frozen and "freeze="
+    check_model_axis(dims, plan.mesh, refused or None)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """How `shard` stores a model: its arguments, checked."""
@@ -362,7 +372,7 @@ def _place_outside_units(model, plan: _Plan, unit_paths: set) -> None:
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if any(path[: len(u)] == u for u in unit_paths):
             continue
-        place_variable(var, plan.mesh, plan.config, False, plan.rules, plan.along)
+        place_variable(var, plan.mesh, plan.config, False, plan.rules, plan.along, _name(path))
         if plan.frozen and plan.frozen(path, var):
             set_at(model, path, FrozenParam(var.get_value()))
 
@@ -376,10 +386,12 @@ def _make_unit(module, plan: _Plan, name: str) -> None:
         held = [(p, v) for p, v in params if frozen(p, v)]
         specs = freeze_unit(module, held, mesh, config, stacked, name) if held else ()
         params = [(p, v) for p, v in params if not frozen(p, v)]
-    dims = []
+    dims, model_dims = [], []
     for path, var in params:
-        dim = place_variable(var, mesh, config, stacked, plan.rules, plan.along)
+        where = f"{name}/{_name(path)}"
+        dim, tp = place_variable(var, mesh, config, stacked, plan.rules, plan.along, where)
         dims.append((path, dim, np.ndim(var.get_value())))
+        model_dims.append((path, tp))
     if config.error_feedback:
         lead = 1 if stacked else 0
         call = [
@@ -404,6 +416,7 @@ def _make_unit(module, plan: _Plan, name: str) -> None:
         plan.outputs,
         specs,
         plan.batch_axis_name,
+        tuple(model_dims),
     )
     module.__class__ = _sharded_class(type(module))
 

@@ -34,11 +34,13 @@ from jax.sharding import PartitionSpec as P
 from zpp_jax._compat import is_tracer
 from zpp_jax.config import ZeroPPConfig, check_block_sizes
 from zpp_jax.errors import UsageError, check_compute_dtype, check_policy
-from zpp_jax.mesh import AXES, place, shard_dim
+from zpp_jax.mesh import AXES, data_size, place, shard_dim
 from zpp_jax.metadata import (
     SHARD_ALONG,
     Rules,
+    box_model_dim,
     box_preference,
+    check_model_axis,
     check_shard_along,
     is_box,
     reboxed,
@@ -358,19 +360,16 @@ def shard_linen(
     sharded, split_dims = _placed(boxed, mesh, config, rules, check_shard_along(shard_along))
     infos = {}
     for unit in units:
-        dims = tuple(
-            (p[len(unit) :], split_dims[p], np.ndim(params[p]))
-            for p in params
-            if p[: len(unit)] == unit
-        )
+        inside = [p for p in params if p[: len(unit)] == unit]
         infos[unit] = UnitInfo(
             mesh,
             config,
             dtype,
-            dims,
+            tuple((p[len(unit) :], split_dims[p][0], np.ndim(params[p])) for p in inside),
             name="/".join(unit),
             outputs=outputs,
             batch_axis_name=batch_axis_name,
+            model_dims=tuple((p[len(unit) :], split_dims[p][1]) for p in inside),
         )
     replicated = NamedSharding(mesh, P())
     out = {c: jax.device_put(dict(v), replicated) for c, v in variables.items() if c != "params"}
@@ -419,14 +418,20 @@ def _checked_params(variables: dict, config: ZeroPPConfig) -> dict:
 
 
 def _placed(boxed: dict, mesh: Mesh, config: ZeroPPConfig, rules, along) -> tuple[dict, dict]:
-    """Each parameter of `boxed` (flat) stored split over the devices, in
-    its box if it had one, and the dimension it is split along."""
-    n, keep = mesh.devices.size, config.persistence_threshold
+    """Each parameter of `boxed` (flat) stored split over the data-parallel
+    devices and, with a `model` axis, along the dimension its names map to
+    `model`, in its box if it had one; and per parameter the (data, model)
+    dimensions it is split along."""
+    n, keep = data_size(mesh), config.persistence_threshold
+    tp = {p: box_model_dim(v, mesh, rules, "/".join(p)) for p, v in boxed.items()}
+    refused = "error feedback" if config.error_feedback else None
+    check_model_axis(list(tp.values()), mesh, refused)
     sharded, split_dims = {}, {}
     for path, value in boxed.items():
         raw, prefer = unboxed(value), box_preference(value, rules, along)
-        dim = shard_dim(np.shape(raw), n, stacked=False, keep_below=keep, prefer=prefer)
-        sharded[path], split_dims[path] = reboxed(value, place(raw, mesh, dim)), dim
+        dim = shard_dim(np.shape(raw), n, False, keep, prefer, taken=tp[path])
+        sharded[path] = reboxed(value, place(raw, mesh, dim, tp[path]))
+        split_dims[path] = dim, tp[path]
     return sharded, split_dims
 
 

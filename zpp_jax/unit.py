@@ -32,7 +32,7 @@ from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.frozen import FrozenSpec, frozen_layout, frozen_wire
 from zpp_jax.layer import ShardedLayer
-from zpp_jax.mesh import AXES, mesh_shape, place, spec_along
+from zpp_jax.mesh import AXES, data_size, mesh_shape, model_size, place, spec_along
 from zpp_jax.on_device import (
     check_not_nested,
     constraints_dropped,
@@ -51,9 +51,11 @@ from zpp_jax.pytrees import (
     open_call,
     open_tree,
     static_leaves,
+    with_values,
     write_back,
 )
 from zpp_jax.rows import check_rows
+from zpp_jax.tensor import model_split, packed, rank_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,7 @@ class UnitInfo:
     outputs: Any = None  # how outputs that are not per-example combine (`combine_outputs`)
     frozen: tuple[FrozenSpec, ...] = ()  # split frozen parameters, stored as codes
     batch_axis_name: str | None = None  # the model's own name for the data-parallel devices
+    model_dims: tuple[tuple[Any, int | None], ...] = ()  # (key, dimension split over `model`)
 
 
 def unit_scope(name: str) -> str:
@@ -209,14 +212,20 @@ def run_unit(
     relayed = (call.layout is not None and any(np.ndim(v) >= 2 for _, v, _, _ in params)) or any(
         len(s.shape) >= 2 for s in info.frozen
     )
+    # With a `model` axis the call is manual over the data axes only, XLA
+    # partitions its code along `model` (`zpp_jax.tensor`), and no relay
+    # chain orders it (yet): XLA schedules its collectives freely.
+    tensor_parallel = model_size(info.mesh) > 1
     chains = current_chains() if prefetch and relayed and not eager else None
-    token = None if chains is None else chains.take(info.mesh)
+    token = None if chains is None or tensor_parallel else chains.take(info.mesh)
+    manual = {"axis_names": set(AXES)} if tensor_parallel else {}
     mapped = jax.shard_map(
         call.local(run, prefetch),
         mesh=info.mesh,
         in_specs=call.in_specs(token),
         out_specs=call.out_specs(token),
         check_vma=False,
+        **manual,
     )
     # The layer's custom_vjp cannot run under an eager shard_map: compile it.
     with refused_inside(info.name):
@@ -238,17 +247,16 @@ class _Call:
 
     def __init__(self, info: UnitInfo, params, state, residual, args: tuple, kwargs: dict, frozen):
         self.info, self.state, self.args, self.kwargs = info, state, args, kwargs
-        n = info.mesh.devices.size
+        n = data_size(info.mesh)
         self.split, self.whole = _split_params(params)
+        self.model_split = model_split(model_size(info.mesh), info.model_dims, params, self.split)
         self.stored, frozen_whole = frozen
         self.frozen_keys = {key for key, _ in frozen_whole}
         self.whole = self.whole + list(frozen_whole)
         self.frozen_layout = frozen_layout(info.config, info.frozen, n) if info.frozen else None
         self.layout = None
         if self.split:
-            self.layout = call_layout(
-                info.config, [(np.shape(v), jnp.result_type(v), d) for _, v, d in self.split], n
-            )
+            self.layout = call_layout(info.config, rank_params(self.split, self.model_split), n)
             _check_residual(info, self.layout, residual)
         else:
             residual = None
@@ -376,7 +384,8 @@ class _Call:
         """What `jax.shard_map` runs on each device: the unit's code, through
         a `ShardedLayer` when it has parameters to gather."""
         fn, layout, config = self.on_device(run), self.layout, self.info.config
-        fn = with_batch_axis(fn, self.info.batch_axis_name, self.info.mesh.devices.size)
+        fn = with_batch_axis(fn, self.info.batch_axis_name, data_size(self.info.mesh))
+        split = self.model_split
         frozen = None if self.frozen_layout is None else frozen_wire(config, self.frozen_layout)
 
         def leaves(full):
@@ -399,8 +408,9 @@ class _Call:
                 reduction="sum",
                 prefetch=prefetch,
                 frozen=frozen,
+                model_split=split,
             )
-            shard = None if layout is None else layout.pack(layout.treedef.unflatten(blocks))
+            shard = None if layout is None else packed(layout, split, blocks)
             if frozen is not None:
                 return layer.with_frozen(shard, stored, inputs, residual, token)
             if token is None:
@@ -468,7 +478,7 @@ def _split_params(params):
 def _check_residual(info: UnitInfo, layout: ParamLayout, residual) -> None:
     if not info.config.error_feedback:
         return
-    n = info.mesh.devices.size
+    n = data_size(info.mesh)
     need = (n * collectives.residual_size(layout.shard_size, *mesh_shape(info.mesh)),)
     if residual is None or np.shape(residual) != need:
         raise UsageError(
@@ -486,13 +496,3 @@ def _batch_size(items) -> int | None:
         if not isinstance(x, nnx.Variable) and np.ndim(x) >= 1:
             return int(np.shape(x)[0])
     return None
-
-
-def with_values(items, values) -> nnx.State:
-    """A flat state's items with new values (variables keep their type)."""
-    return nnx.from_flat_state(
-        [
-            (p, v.replace(x) if isinstance(v, nnx.Variable) else x)
-            for (p, v), x in zip(items, values, strict=True)
-        ]
-    )
