@@ -150,6 +150,13 @@ def test_module_entry_point():
         (["profile", "--layers", "1", "--hidden", "8", "--out", "/"], "--out / is a directory"),
         (["comm", "--compute-dtype", "float8"], "argument --compute-dtype: invalid choice"),
         (["launch", "--grace", "nan", "--", "train"], "argument --grace: must be a finite number"),
+        (["train", "--tp", "3", "--quiet"], "--tp 3 must divide --local 4"),
+        (["train", "--tp", "2", "--lora", "4", "--quiet"], "--tp does not yet combine with --lora"),
+        (["train", "--tp", "2", "--error-feedback"], "does not yet combine with --error-feedback"),
+        (
+            ["train", "--tp", "4", "--arch", "llama", "--quiet"],
+            "degree of 4 does not divide the model's 4 query and 2 key-value heads",
+        ),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(capsys, argv, message):

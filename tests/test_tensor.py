@@ -307,3 +307,59 @@ def test_a_boxed_linen_model_with_logical_names_equals_one_device():
     assert kernel.value.sharding.spec == P(DATA, "model") and kernel.names == ("embed", "mlp")
     head = sharded["params"]["head"]["kernel"].value.sharding.spec
     assert head == P(DATA, "model")
+
+
+def _llama_losses(mesh, steps=4, tp=False):
+    """The reference Llama (fp32) trained by a `Trainer` with ZeRO-3 on an
+    fp32 wire: its losses, and its parameters after `steps` steps."""
+    from zpp_jax.models import Llama, LlamaConfig
+    from zpp_jax.models.names import TENSOR_PARALLEL_RULES, name_axes
+
+    cfg = LlamaConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, d_ff=64)
+    model = Llama(cfg, nnx.Rngs(0))
+    rules = None
+    if tp:
+        model, rules = name_axes(model), TENSOR_PARALLEL_RULES
+    trainer = zpp.Trainer(model, optax.adam(1e-2), mesh, EXACT, rules=rules)
+    state, losses = trainer.init(), []
+    for i in range(steps):
+        tokens = jax.random.randint(jax.random.key(i), (8, 16), 0, 64)
+        batch = jax.device_put({"inputs": tokens, "targets": tokens}, zpp.batch_sharding(mesh))
+        state, metrics = trainer.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    params = nnx.to_flat_state(nnx.state(nnx.merge(trainer._graphdef, state)[0], nnx.Param))
+    return losses, {p: np.asarray(v.get_value()) for p, v in params}
+
+
+def test_the_reference_llama_with_tensor_parallelism_equals_one_device():
+    """`name_axes` gives the Llama MaxText's names (heads, key-value heads,
+    MLP, vocabulary) and `TENSOR_PARALLEL_RULES` puts them on `model`: 4
+    Adam steps of ZeRO-3 on 2 x 2 x 2 equal one device's, losses to 1e-5
+    and every parameter after them to 1e-5 of its norm."""
+    want_losses, want = _llama_losses(zpp.make_mesh(1, 1, devices=jax.devices()[:1]))
+    losses, got = _llama_losses(zpp.make_mesh(2, 2, model=2), tp=True)
+    assert max(abs(a - b) / b for a, b in zip(losses, want_losses, strict=True)) <= 1e-5
+    for path, value in got.items():
+        assert np.linalg.norm(value - want[path]) <= 1e-5 * np.linalg.norm(want[path]), path
+
+
+@pytest.mark.slow  # three zpp processes
+def test_zpp_train_with_tp_trains_exports_and_samples(tmp_path):
+    """`zpp train --tp 2` on 2 nodes x 4 devices: 2 x 2 data devices x 2
+    model ranks; its checkpoint exports and samples on this process's 8
+    devices without the model axis."""
+    import subprocess
+    import sys
+
+    def zpp_cli(*argv):
+        run = subprocess.run(
+            [sys.executable, "-m", "zpp_jax", *argv], capture_output=True, text=True, timeout=600
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        return run.stderr + run.stdout
+
+    ckpt = str(tmp_path / "ckpt")
+    log = zpp_cli("train", "--arch", "llama", "--tp", "2", "--steps", "2", "--ckpt-dir", ckpt)
+    assert "mesh 2 x 2 x tp 2" in log and "step 2: loss" in log
+    assert "wrote 2 files" in zpp_cli("export", "--ckpt-dir", ckpt, "--hf", str(tmp_path / "hf"))
+    zpp_cli("sample", "--ckpt-dir", ckpt, "--prompt", "def ", "--max-tokens", "4")

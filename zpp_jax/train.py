@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError, check_optimizer, check_positive_finite
-from zpp_jax.mesh import AXES, batch_sharding, mesh_shape, on_mesh
+from zpp_jax.mesh import batch_sharding, mesh_shape, on_mesh
 from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links
 from zpp_jax.overlap.relay import relay_scope
 from zpp_jax.program import batch_rows, compile_for_batch, finish_step
@@ -125,7 +125,9 @@ class Trainer:
     state, and stay bit for bit what they were.
 
     `batch_axis_name`: the model's own name for the data-parallel devices
-    (``nnx.BatchNorm(axis_name="batch")``), as `zpp.shard` takes it.
+    (``nnx.BatchNorm(axis_name="batch")``), and `rules`, the logical axis
+    rules of its sharding names (a mesh with a `model` axis: tensor
+    parallelism), as `zpp.shard` takes them.
     """
 
     def __init__(
@@ -143,6 +145,7 @@ class Trainer:
         links: LinkModel | None = DEFAULT_LINKS,
         freeze=None,
         batch_axis_name: str | None = None,
+        rules=None,
     ) -> None:
         check_links(links)
         check_optimizer(optimizer)
@@ -166,6 +169,7 @@ class Trainer:
             compute_dtype,
             freeze=freeze,
             batch_axis_name=batch_axis_name,
+            rules=rules,
         )
         self._param_specs = jax.tree.map(lambda a: a.sharding.spec, nnx.state(sharded, nnx.Param))
         self.abstract = any(
@@ -366,7 +370,7 @@ def _squared_norm(tree: PyTree, specs: PyTree, mesh: Mesh) -> jax.Array:
         total = jnp.zeros((), jnp.float32)
         for block, spec in zip(blocks, spec_leaves, strict=True):
             total += jnp.sum(jnp.square(block.astype(jnp.float32))) / copies(spec)
-        return jax.lax.psum(total, AXES)
+        return jax.lax.psum(total, mesh.axis_names)
 
     return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec_leaves), out_specs=P())(*leaves)
 
@@ -392,7 +396,7 @@ def _all_finite(tree: PyTree, specs: PyTree, mesh: Mesh) -> jax.Array:
         bad = sum(
             jnp.sum(~jnp.isfinite(jnp.stack(group)), dtype=jnp.int32) for group in groups.values()
         )
-        return jax.lax.psum(bad, AXES) == 0
+        return jax.lax.psum(bad, mesh.axis_names) == 0
 
     in_specs = tuple(spec for _, spec in pairs)
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P())(*[x for x, _ in pairs])

@@ -60,6 +60,12 @@ class RunConfig:
     local: int = option(
         4, "devices per node; under zpp launch, each process's device count", type=count()
     )
+    tp: int = option(
+        1,
+        "tensor-parallel degree: each layer's heads, MLP and vocabulary split over this many "
+        "of a node's --local devices, ZeRO++ over the rest (1: none)",
+        type=count(why="devices per tensor-parallel group"),
+    )
     batch: int = option(16, "global batch (sequences)", type=count(why="sequences per step"))
     grad_accum: int = option(
         1, "micro-batches per step", type=count(why="micro-batches, at most --batch")
@@ -180,6 +186,8 @@ class RunConfig:
                 "--lora trains through zpp.shard; the token pipeline (--stages) "
                 "does not take frozen weights: drop one"
             )
+        if self.tp > 1:
+            self._check_tensor_parallel()
         if self.resume and self.overwrite:
             raise UsageError("--resume continues a run and --overwrite deletes it: pass one")
         if self.stages > 1:
@@ -194,6 +202,31 @@ class RunConfig:
                 "--slices, --cost and --no-stage-zero set up the token pipeline: pass "
                 "--stages K (K > 1) with them"
             )
+
+    def _check_tensor_parallel(self) -> None:
+        """Raise UsageError unless --tp divides --local and nothing it does
+        not combine with yet is on."""
+        if self.local % self.tp:
+            raise UsageError(
+                f"--tp {self.tp} must divide --local {self.local}: a node's devices are "
+                "--local / --tp data-parallel groups of --tp"
+            )
+        other = (
+            "--lora"
+            if self.lora is not None
+            else "--stages"
+            if self.stages > 1
+            else "--error-feedback"
+            if self.zero.error_feedback
+            else None
+        )
+        if other is not None:
+            raise UsageError(f"--tp does not yet combine with {other}: drop one")
+
+    @property
+    def data_local(self) -> int:
+        """A node's data-parallel devices: --local / --tp."""
+        return self.local // self.tp
 
     @property
     def tokenizer_spec(self) -> str:

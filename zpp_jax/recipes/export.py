@@ -145,7 +145,10 @@ def _restore_mesh(ckpt_dir: pathlib.Path, step: int, cfg: RunConfig):
     saved = Checkpointer.saved_mesh(ckpt_dir, step)
     n = math.prod(saved.values()) if saved else 0
     if saved and n <= jax.device_count():
-        return make_mesh(saved["node"], saved["local"], devices=jax.devices()[:n])
+        # A tensor-parallel run's checkpoint restores onto its devices
+        # without the model axis: checkpoints restore onto any mesh.
+        local = saved["local"] * saved.get("model", 1)
+        return make_mesh(saved["node"], local, devices=jax.devices()[:n])
     if cfg.lora is not None:
         raise UsageError(
             f"this LoRA run stored its frozen base as codes for a mesh of {n} devices; restore it "

@@ -40,6 +40,7 @@ from zpp_jax.data.tokenizer import bpe_size
 from zpp_jax.errors import INT32_MAX, UsageError
 from zpp_jax.mesh import make_mesh
 from zpp_jax.models import ARCHITECTURES, GPTConfig, Llama, LlamaConfig, preset
+from zpp_jax.models.names import TENSOR_PARALLEL_RULES, check_heads, name_axes
 from zpp_jax.pipeline.planner import folded
 from zpp_jax.preemption import Stopped, StopRequest
 from zpp_jax.recipes import corpus, runs
@@ -98,6 +99,8 @@ def model_name(cfg: RunConfig) -> str:
 def make_trainer(cfg: RunConfig, model: nnx.Module | None = None) -> Trainer:
     """The model (default: `make_model`), optimizer, mesh and `Trainer` of
     a run; with `cfg.lora`, LoRA adapters over the frozen model."""
+    if cfg.tp > 1:
+        check_heads(model_config(cfg), cfg.tp)
     model = make_model(cfg) if model is None else model
     freeze = None
     if cfg.lora is not None:
@@ -105,14 +108,17 @@ def make_trainer(cfg: RunConfig, model: nnx.Module | None = None) -> Trainer:
 
         model = add_lora(model, cfg.lora, lora_targets(cfg), seed=cfg.seed, alpha=cfg.lora_alpha)
         freeze = FROZEN
+    if cfg.tp > 1:
+        name_axes(model)  # the heads, MLP and vocabulary over the model axis
     return Trainer(
         model,
         make_optimizer(cfg),
-        make_mesh(cfg.nodes, cfg.local),
+        make_mesh(cfg.nodes, cfg.data_local, model=cfg.tp),
         cfg.zero,
         grad_accum=cfg.grad_accum,
         max_grad_norm=cfg.clip,
         freeze=freeze,
+        rules=TENSOR_PARALLEL_RULES if cfg.tp > 1 else None,
     )
 
 
@@ -603,7 +609,11 @@ def _train(job: Job, stop: StopRequest) -> list[dict]:
     model_cfg = job.model_cfg
     abstract = nnx.eval_shape(lambda: model_class(cfg)(model_cfg, nnx.Rngs(0)))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
-    mesh = f"{cfg.nodes} x {cfg.local}"
+    mesh = (
+        f"{cfg.nodes} x {cfg.local}"
+        if cfg.tp == 1
+        else f"{cfg.nodes} x {cfg.data_local} x tp {cfg.tp}"
+    )
     if cfg.stages > 1:
         zero = cfg.zero if cfg.stage_zero else "layers replicated inside the stages"
         mesh = f"{cfg.stages} stages x {mesh}; {zero}; token pipeline of {job.slicing}"
