@@ -151,6 +151,8 @@ def test_module_entry_point():
         (["comm", "--compute-dtype", "float8"], "argument --compute-dtype: invalid choice"),
         (["launch", "--grace", "nan", "--", "train"], "argument --grace: must be a finite number"),
         (["train", "--tp", "3", "--quiet"], "--tp 3 must divide --local 4"),
+        (["comm", "--tp", "3"], "--tp 3 must divide --local 4"),
+        (["comm", "--tp", "2", "--configs", "zero3", "jit"], "--tp does not yet combine with jit"),
         (["train", "--tp", "2", "--lora", "4", "--quiet"], "--tp does not yet combine with --lora"),
         (["train", "--tp", "2", "--error-feedback"], "does not yet combine with --error-feedback"),
         (

@@ -67,9 +67,12 @@ def target_config(path: str | os.PathLike | None = None) -> str:
     return text
 
 
-def target_mesh(nodes: int, local: int, config_path: str | os.PathLike | None = None) -> Mesh:
+def target_mesh(
+    nodes: int, local: int, config_path: str | os.PathLike | None = None, model: int = 1
+) -> Mesh:
     """The (`node`, `local`) mesh over `nodes` x `local` GPUs described by
-    `target_config(config_path)`, for compiling only."""
+    `target_config(config_path)`, for compiling only; with ``model > 1`` the
+    (`node`, `local` / model, `model`) mesh of tensor parallelism."""
     if not has_cuda_plugin():
         raise UsageError(
             'compiling for a GPU needs JAX\'s CUDA plugin: pip install "zpp-jax[gpu-aot]"'
@@ -87,4 +90,4 @@ def target_mesh(nodes: int, local: int, config_path: str | os.PathLike | None = 
             f"the CUDA plugin could not describe {nodes} x {local} GPUs ({e}); on a machine "
             "without a GPU run with JAX_PLATFORMS=cpu"
         ) from e
-    return make_mesh(nodes, local, devices=topo.devices)
+    return make_mesh(nodes, local // model, devices=topo.devices, model=model)

@@ -329,10 +329,12 @@ def _comm_parser(sub) -> None:
     )
     # The step of LoRA adapters over the frozen base (engine configs): the
     # flags `zpp train` has, defined once on their fields.
-    add_flags(comm, _RUN, only=("lora",))
+    add_flags(comm, _RUN, only=("lora", "tp"))
     # The engine configurations' recomputation (the baselines keep what XLA keeps).
     add_flags(comm, _RUN.zero, only=("frozen_bits", "remat"))
-    comm.set_defaults(lora=_RUN.lora, frozen_bits=_RUN.zero.frozen_bits, remat=_RUN.zero.remat)
+    comm.set_defaults(
+        lora=_RUN.lora, tp=_RUN.tp, frozen_bits=_RUN.zero.frozen_bits, remat=_RUN.zero.remat
+    )
     comm.add_argument("--json", action="store_true", help="print JSON instead of a table")
     comm.set_defaults(func=_comm)
 

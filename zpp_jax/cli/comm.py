@@ -41,6 +41,7 @@ from zpp_jax.errors import UsageError
 from zpp_jax.lora import FROZEN, add_lora
 from zpp_jax.mesh import make_mesh
 from zpp_jax.models import preset
+from zpp_jax.models.names import TENSOR_PARALLEL_RULES, check_heads, name_axes
 from zpp_jax.train import Trainer, next_token_loss
 
 DEFAULT_CONFIGS = {
@@ -68,6 +69,7 @@ def compare(
     configs=None,
     compute_dtype=None,
     freeze=None,
+    rules=None,
 ) -> list[dict]:
     """`step_report` of a language model's training step (AdamW) for each
     configuration (default: ZeRO-3, each technique alone, all three), on
@@ -77,7 +79,8 @@ def compare(
     `make_model` may build the model abstractly (``nnx.eval_shape``), as it
     must for a compile-only mesh (`zpp_jax.analysis.target_mesh`).
     `freeze` (the engine's configurations only): the parameters that train
-    nothing, as `zpp.shard` takes it."""
+    nothing, and `rules`, the logical axis rules of its sharding names (a
+    mesh with a `model` axis), as `zpp.shard` takes them."""
     configs = DEFAULT_CONFIGS if configs is None else configs
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     # Counted on the model's shapes: a concrete `make_model` is not built again for it.
@@ -85,7 +88,7 @@ def compare(
     reports = []
     for name, cfg in configs.items():
         if isinstance(cfg, ZeroPPConfig):
-            kw = dict(compute_dtype=compute_dtype, freeze=freeze)
+            kw = dict(compute_dtype=compute_dtype, freeze=freeze, rules=rules)
             step = Trainer(make_model(), optax.adamw(1e-3), mesh, cfg, **kw)
             described = dataclasses.asdict(cfg)
         else:  # a baseline's builder (`BASELINES`)
@@ -140,16 +143,17 @@ def run_comm(args) -> int:
         if set(args.configs) & set(BASELINES):
             raise UsageError("--lora compiles the engine's LoRA step; drop the baselines (jit)")
         freeze = FROZEN
+    rules = _check_tensor_parallel(args, model)
     if args.target == "cpu":
-        mesh = make_mesh(args.nodes, args.local)
+        mesh = make_mesh(args.nodes, args.local // args.tp, model=args.tp)
     else:
-        mesh = target_mesh(args.nodes, args.local, args.target_config)
+        mesh = target_mesh(args.nodes, args.local, args.target_config, model=args.tp)
 
     def make():  # compiled, never run: the model's shapes are all a step needs
         return nnx.eval_shape(build)
 
     compute = None if args.compute_dtype == "model" else args.compute_dtype
-    reports = compare(make, mesh, args.batch, model.seq_len, configs, compute, freeze)
+    reports = compare(make, mesh, args.batch, model.seq_len, configs, compute, freeze, rules)
     if args.json:
         print(json.dumps({"configs": reports}))
         return 0
@@ -157,6 +161,21 @@ def run_comm(args) -> int:
     if args.target != "cpu":
         _print_schedule(reports)
     return 0
+
+
+def _check_tensor_parallel(args, model) -> tuple | None:
+    """The logical rules of `--tp` (None without it), once it is checked
+    against the mesh, the model's heads and the configurations."""
+    if args.tp == 1:
+        return None
+    if args.local % args.tp:
+        raise UsageError(f"--tp {args.tp} must divide --local {args.local}")
+    other = sorted(set(args.configs) & {*BASELINES, "zeropp_ef"})
+    if other or args.lora is not None:
+        what = " and ".join(other) if other else "--lora"
+        raise UsageError(f"--tp does not yet combine with {what}: drop one")
+    check_heads(model, args.tp)
+    return TENSOR_PARALLEL_RULES
 
 
 def _model(args):
@@ -170,7 +189,8 @@ def _model(args):
 
     def build():
         made = model_class(model, nnx.Rngs(0))
-        return made if args.lora is None else add_lora(made, args.lora)
+        made = made if args.lora is None else add_lora(made, args.lora)
+        return name_axes(made) if args.tp > 1 else made
 
     return model, build
 
@@ -182,9 +202,11 @@ def _print_table(args, model, build, reports: list[dict]) -> None:
     if args.lora is not None:
         lora = f", LoRA of rank {args.lora} over a base of {args.frozen_bits or 'own-dtype'} bits"
     layers = f", {model.n_layers} layers" if args.layers else ""
+    tp = f" (x tp {args.tp}: {args.local // args.tp} data devices a node)" if args.tp > 1 else ""
     print(
         f"{args.arch} {args.model}{layers} ({params:,} parameters{lora}) on {args.target}, mesh "
-        f"{args.nodes} x {args.local}, batch {args.batch} x {model.seq_len}; per device per step:"
+        f"{args.nodes} x {args.local}{tp}, batch {args.batch} x {model.seq_len}; per device per "
+        "step:"
     )
     print(
         f"{'config':10s}{'cross-node B':>16s}{'vs ' + reports[0]['name']:>10s}"
