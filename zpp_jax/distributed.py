@@ -337,6 +337,11 @@ def finish(timeout: int = 300) -> None:
         return
     client.wait_at_barrier("zpp_finish", timeout * 1000)
     _finished.set()
+    # A second barrier before anyone disconnects: a process whose main
+    # thread is still between the first barrier and the line above (a
+    # loaded machine) would otherwise see the first to leave as a lost peer
+    # and fail a job that has finished.
+    client.wait_at_barrier("zpp_finish_watching", timeout * 1000)
     # The service lives in process 0 and, with recoverable tasks, no longer
     # holds it back at exit: the others disconnect first, and process 0
     # waits for that before it leaves.
