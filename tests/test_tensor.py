@@ -293,15 +293,17 @@ LINEN_RULES = (
 )
 
 
+@pytest.mark.slow  # 10 steps of a Linen model
 def test_a_boxed_linen_model_with_logical_names_equals_one_device():
     """`shard_linen` on 2 x 2 x `model` 2: the rules put "mlp" and "vocab"
     on `model`; 5 AdamW steps of ZeRO-3 equal one device's, losses and
     first gradients, and the boxes keep the author's names."""
+    from test_adoption import D as WIDTH
     from test_adoption import BoxedNet, _assert_close, _boxed_loss, linen_train
 
     module, mesh = BoxedNet(), zpp.make_mesh(2, 2, model=2)
     with nn.logical_axis_rules(LINEN_RULES):
-        variables = module.init(jax.random.key(0), jnp.zeros((2, 16)))
+        variables = module.init(jax.random.key(0), jnp.zeros((2, WIDTH)))
         want, want_grads = linen_train(module, variables, _boxed_loss, 5)
         model, sharded = zpp.shard_linen(module, variables, mesh, EXACT)
         with jax.set_mesh(mesh):
@@ -335,6 +337,7 @@ def _llama_losses(mesh, steps=4, tp=False):
     return losses, {p: np.asarray(v.get_value()) for p, v in params}
 
 
+@pytest.mark.slow  # 8 steps of the Llama; test_zero3_with_tensor_parallelism_... is quick
 def test_the_reference_llama_with_tensor_parallelism_equals_one_device():
     """`name_axes` gives the Llama MaxText's names (heads, key-value heads,
     MLP, vocabulary) and `TENSOR_PARALLEL_RULES` puts them on `model`: 4
