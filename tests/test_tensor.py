@@ -298,8 +298,8 @@ def test_a_boxed_linen_model_with_logical_names_equals_one_device():
     """`shard_linen` on 2 x 2 x `model` 2: the rules put "mlp" and "vocab"
     on `model`; 5 AdamW steps of ZeRO-3 equal one device's, losses and
     first gradients, and the boxes keep the author's names."""
-    from test_adoption import D as WIDTH
     from test_adoption import BoxedNet, _assert_close, _boxed_loss, linen_train
+    from test_adoption import D as WIDTH
 
     module, mesh = BoxedNet(), zpp.make_mesh(2, 2, model=2)
     with nn.logical_axis_rules(LINEN_RULES):
