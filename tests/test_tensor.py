@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 import zpp_jax as zpp
 from zpp_jax.analysis import collectives_in_hlo
 from zpp_jax.errors import UsageError
-from zpp_jax.mesh import data_size, mesh_shape, model_size
+from zpp_jax.mesh import data_size, devices_per_node, mesh_shape, model_size
+from zpp_jax.overlap.hlo import summarize
 
 EXACT = zpp.ZeroPPConfig.zero3(comm_dtype=None)  # fp32 wire: one device's numbers
 D, F, HEADS, ROWS, STEPS = 16, 32, 4, 16, 5
@@ -224,6 +225,25 @@ def test_weight_gathers_stay_within_a_model_rank_and_move_its_slice():
     for c in gathers:
         ranks = [{d % 2 for d in group} for group in c.groups]
         assert all(len(r) == 1 for r in ranks) or all(len(g) == 2 for g in c.groups), c
+
+
+def test_a_node_holds_its_data_devices_times_the_model_axis():
+    """On 2 nodes of 1 data device x 2 model ranks (devices 0-1 and 2-3) the
+    model axis's collectives (XLA's, of activations) count inside nodes,
+    and ZeRO's, over the data devices, across them: the byte counts split
+    exactly along that line."""
+    mesh = zpp.make_mesh(2, 1, devices=jax.devices()[:4], model=2)
+    assert devices_per_node(mesh) == 2 and devices_per_node(zpp.make_mesh(2, 2, model=2)) == 4
+    model = zpp.shard(_make(), mesh, EXACT)
+    graphdef, state = nnx.split(model)
+    x, y = (jax.device_put(a, zpp.batch_sharding(mesh)) for a in _batch())
+    loss = jax.jit(jax.grad(lambda s: _loss(nnx.merge(graphdef, s), x, y)))
+    summary = summarize(loss.lower(state).compile().as_text(), devices_per_node(mesh))
+    within = [c for c in summary.collectives if c.groups == ((0, 1), (2, 3))]
+    across = [c for c in summary.collectives if c.groups == ((0, 2), (1, 3))]
+    assert within and across and len(within) + len(across) == len(summary.collectives)
+    assert summary.intra_node_bytes == sum(c.moved_bytes * c.runs for c in within) > 0
+    assert summary.cross_node_bytes == sum(c.moved_bytes * c.runs for c in across) > 0
 
 
 def test_a_model_axis_without_names_that_map_to_it_is_refused():

@@ -186,6 +186,13 @@ def data_size(mesh: Mesh) -> int:
     return nodes * local
 
 
+def devices_per_node(mesh: Mesh) -> int:
+    """A node's devices: local x model (a device's node is its position in
+    `mesh.devices`, row-major, divided by this)."""
+    nodes, _ = mesh_shape(mesh)
+    return mesh.devices.size // nodes
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batches for a `shard`ed model: the leading axis over every device."""
     mesh_shape(mesh)

@@ -22,7 +22,7 @@ from zpp_jax.analysis.schedule import (
     schedule_overlap,
     unhideable_by_kind,
 )
-from zpp_jax.mesh import mesh_shape
+from zpp_jax.mesh import devices_per_node
 from zpp_jax.overlap import schedules_overlap
 from zpp_jax.overlap.hlo import has_loop, summarize
 from zpp_jax.overlap.links import collective_latencies_us, collective_links
@@ -64,7 +64,7 @@ def compile_with_estimate(trainer, batch: dict) -> tuple:
         compiled = trainer.compile_step(batch, options)
         if trainer.links is None:
             return compiled, None
-        _, local = mesh_shape(trainer.mesh)
+        local = devices_per_node(trainer.mesh)
         text = compiled.as_text()
         latencies = collective_latencies_us(text, local, trainer.links)
         return compiled, read_estimate(Path(dump), latencies, collective_links(text, local))
@@ -72,7 +72,7 @@ def compile_with_estimate(trainer, batch: dict) -> tuple:
 
 def report_of(trainer, compiled, estimate) -> dict:
     """`step_report`'s dict for a step `compile_with_estimate` compiled."""
-    _, local = mesh_shape(trainer.mesh)
+    local = devices_per_node(trainer.mesh)
     text = compiled.as_text()
     withheld = None
     if estimate is not None and has_loop(text):
