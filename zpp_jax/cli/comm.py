@@ -39,7 +39,7 @@ from zpp_jax.baseline import JitFSDP, NoCommunication
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import UsageError
 from zpp_jax.lora import FROZEN, add_lora
-from zpp_jax.mesh import make_mesh
+from zpp_jax.mesh import data_size, make_mesh, model_size
 from zpp_jax.models import preset
 from zpp_jax.models.names import TENSOR_PARALLEL_RULES, check_heads, name_axes
 from zpp_jax.train import Trainer, next_token_loss
@@ -84,7 +84,10 @@ def compare(
     configs = DEFAULT_CONFIGS if configs is None else configs
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     # Counted on the model's shapes: a concrete `make_model` is not built again for it.
-    flops = device_training_flops(nnx.eval_shape(make_model), batch // mesh.size, seq_len)
+    # A data device's rows are split `model_size` ways (each rank runs 1/t of
+    # every matrix multiply, as MFU counts a GPU's share of the model FLOPs).
+    rows = batch // data_size(mesh)
+    flops = device_training_flops(nnx.eval_shape(make_model), rows, seq_len) // model_size(mesh)
     reports = []
     for name, cfg in configs.items():
         if isinstance(cfg, ZeroPPConfig):
