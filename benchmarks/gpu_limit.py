@@ -44,6 +44,16 @@ SETTINGS = {
     # configurations; the baselines keep what XLA keeps).
     "Llama 70B, 4 x 8, remat full": [*LLAMA70, *ON_4X8, "--remat", "full"],
     "Llama 70B, 8 x 8, remat full": [*LLAMA70, *ON_8X8, "--remat", "full"],
+    # Tensor parallelism inside a node: one sequence per data group of `t`
+    # GPUs, so the global batch is 32 / t (what TP is for: a smaller batch).
+    **{
+        f"Llama 70B, 4 x 8, TP {t}, remat full": [
+            *LLAMA70,
+            *["--batch", str(32 // t), "--nodes", "4", "--local", "8", "--tp", str(t)],
+            *["--remat", "full"],
+        ]
+        for t in (2, 4, 8)
+    },
 }
 # `zpp comm --configs` names; "nocomm" is the limit, and always compiled.
 CONFIGS = ("zero3", "zeropp", "jit", "jit_fsdp", "nocomm")
@@ -64,7 +74,11 @@ _XLA_FLAGS = "--xla_gpu_experimental_use_collective_kernels=-ALL_REDUCE"
 
 
 def compile_reports(flags: list[str], configs: tuple[str, ...]) -> tuple[dict, float]:
-    """(`zpp comm --target h200 --json` per config, seconds it took)."""
+    """(`zpp comm --target h200 --json` per config, seconds it took). Under
+    `--tp` there is no no-communication step (it is one device's program of
+    whole layers), so "nocomm" is left out there."""
+    if "--tp" in flags:
+        configs = tuple(c for c in configs if c != "nocomm")
     command = [sys.executable, "-m", "zpp_jax", "comm", "--target", "h200", "--json"]
     command += [*flags, "--compute-dtype", "bfloat16", "--configs", *configs]
     xla_flags = f"{os.environ.get('XLA_FLAGS', '')} {_XLA_FLAGS}".strip()
@@ -89,17 +103,19 @@ def rows(results: dict) -> list[dict]:
     """One row per setting and config: the numbers the page shows."""
     out = []
     for setting, (reports, _) in results.items():
-        limit = reports["nocomm"]["estimate"]["step_us"]
+        limit = reports["nocomm"]["estimate"]["step_us"] if "nocomm" in reports else None
         for config, r in reports.items():
             row = {"setting": setting, "config": config}
             row |= {"peak_gb": r["peak_memory_bytes"] / 1e9, "state_gb": r["state_bytes"] / 1e9}
+            row |= {"nic_gb": r["cross_node_bytes"] / 1e9, "nvlink_gb": r["intra_node_bytes"] / 1e9}
             out.append(row | _estimated(r, limit))
     return out
 
 
-def _estimated(report: dict, limit_us: float) -> dict:
+def _estimated(report: dict, limit_us: float | None) -> dict:
     """The step's estimated times; None each where XLA gives no estimate
-    (a program with a loop: plain jit of a scanned model)."""
+    (a program with a loop: plain jit of a scanned model), and the step
+    over the limit None where no limit was compiled (tensor parallelism)."""
     est = report["estimate"]
     if est is None:
         keys = ("step_ms", "exposed_ms", "compute_ms", "nic_busy_ms", "nvlink_busy_ms")
@@ -111,14 +127,14 @@ def _estimated(report: dict, limit_us: float) -> dict:
         "nic_busy_ms": est["link_busy_us"].get("nic", 0.0) / 1e3,
         "nvlink_busy_ms": est["link_busy_us"].get("nvlink", 0.0) / 1e3,
         "mfu": report["mfu"],
-        "over_limit": est["step_us"] / limit_us,
+        "over_limit": None if limit_us is None else est["step_us"] / limit_us,
     }
 
 
 def table(data: list[dict]) -> str:
     header = ["setting", "method", "step, ms", "exposed, ms", "compute alone, ms"]
     header += ["NIC busy, ms", "NVLink busy, ms", "MFU", "step / no-comm step"]
-    header += ["peak GB per GPU", "state GB per GPU"]
+    header += ["NIC GB per GPU", "NVLink GB per GPU", "peak GB per GPU", "state GB per GPU"]
     body = [
         [
             r["setting"],
@@ -130,6 +146,8 @@ def table(data: list[dict]) -> str:
             _shown(r["nvlink_busy_ms"], ".1f"),
             _shown(r["mfu"], ".1%"),
             _shown(r["over_limit"], ".3f"),
+            _shown(r.get("nic_gb"), ".2f"),
+            _shown(r.get("nvlink_gb"), ".2f"),
             f"{r['peak_gb']:.1f}",
             f"{r['state_gb']:.1f}",
         ]
@@ -143,29 +161,38 @@ def _shown(value: float | None, spec: str) -> str:
 
 
 def plot(data: list[dict], path: pathlib.Path) -> None:
+    """Each method's step over the no-communication step per setting; where
+    some setting has no limit compiled (tensor parallelism), its MFU."""
     import numpy as np
 
     settings = list(dict.fromkeys(r["setting"] for r in data))
     configs = [c for c in dict.fromkeys(r["config"] for r in data) if c != "nocomm"]
+    limited = {r["setting"] for r in data if r["config"] == "nocomm"} == set(settings)
+    key = "over_limit" if limited else "mfu"
     fig, ax = pages.figure(figsize=(10, 3.8))
     width = 0.8 / len(configs)
     for i, config in enumerate(configs):
         x = np.arange(len(settings)) + (i - (len(configs) - 1) / 2) * width
-        ratio = [
-            next(r["over_limit"] for r in data if r["setting"] == s and r["config"] == config)
+        value = [
+            next(r[key] for r in data if r["setting"] == s and r["config"] == config)
             for s in settings
         ]
-        ax.bar(x, [np.nan if r is None else r for r in ratio], width, label=LABELS[config])
-        for xi, r in zip(x, ratio, strict=True):
-            if r is None:  # XLA gives no estimate of a program with a loop
-                ax.text(xi, 1.0, "no estimate\n(a loop)", ha="center", va="bottom", fontsize=6)
-    ax.axhline(1.05, color="black", lw=0.6, ls="--")
+        ax.bar(x, [np.nan if v is None else v for v in value], width, label=LABELS[config])
+        for xi, v in zip(x, value, strict=True):
+            if v is None:  # XLA gives no estimate of a program with a loop
+                ax.text(xi, 0.0, "no estimate\n(a loop)", ha="center", va="bottom", fontsize=6)
     ax.set_xticks(np.arange(len(settings)), settings, fontsize=7, rotation=15)
-    ax.set_ylabel("step / no-communication step")
-    ax.set_ylim(0.9, None)
+    if limited:
+        ax.axhline(1.05, color="black", lw=0.6, ls="--")
+        ax.set_ylabel("step / no-communication step")
+        ax.set_ylim(0.9, None)
+        title = "H200s, compiled (not run): XLA's estimates; dashed: 1.05"
+    else:
+        ax.set_ylabel("MFU")
+        title = "H200s, compiled (not run): MFU from XLA's estimated step"
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle("H200s, compiled (not run): XLA's estimates; dashed: 1.05", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     pages.save(fig, path, titled=True)
 
 
@@ -174,6 +201,17 @@ REMAT_NOTE = (
     "compute its forward pass again in the backward pass (`zpp comm --remat full`); the "
     "no-communication step and plain `jax.jit` keep what XLA keeps, so their steps have "
     "one forward pass fewer. "
+)
+
+TP_NOTE = (
+    'In a setting named "TP t" each node\'s 8 GPUs are 8 / t data devices times a '
+    "tensor-parallel split of t (`zpp comm --tp t`): each layer's matrix multiplies are "
+    "split t ways inside a node, ZeRO-3 and ZeRO++ shard and gather each split over the "
+    "data devices only, and each data group of t GPUs takes one sequence, so the global "
+    "batch is 32 / t sequences. MFU counts a GPU's share of the model FLOPs. No "
+    "no-communication step is compiled there (it would be one device's program of whole "
+    "layers), so the step over it is none. NIC and NVLink GB are the bytes a GPU sends "
+    "across nodes and inside its node per step. "
 )
 
 
@@ -199,6 +237,7 @@ def page(data: list[dict], results: dict, made: dict) -> str:
         "(`zpp_jax.baseline.JitFSDP`) appears as XLA partitions it, and with its "
         "activations constrained to the batch axes as FSDP is written. "
         + (REMAT_NOTE if any("remat full" in s for s in results) else "")
+        + (TP_NOTE if any(", TP " in s for s in results) else "")
         + "MFU is one GPU's model "
         "FLOPs (three times the forward pass's matrix multiplies, attention's included) "
         "over the step x 989 TFLOP/s, the H200's dense bf16 peak from the target "
@@ -207,8 +246,7 @@ def page(data: list[dict], results: dict, made: dict) -> str:
         "[gpu_limit.json](gpu_limit.json).\n\n"
         + table(data)
         + "\n\n![step over the limit](gpu_limit.png)\n\n"
-        f"Compile time on this machine, per setting ({len(configs)} configurations): "
-        f"{costs}.\n"
+        f"Compile time on this machine, per setting (its configurations together): {costs}.\n"
     )
 
 
