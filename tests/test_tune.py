@@ -46,6 +46,44 @@ def test_candidates_switch_each_technique_alone_and_together():
     assert len({c.name for c in more}) == len(more)
 
 
+def test_candidates_at_a_tensor_parallel_degree_carry_it_and_leave_out_error_feedback():
+    base = ZeroPPConfig(comm_dtype="bfloat16")
+    flat, split = candidates(base), candidates(base, tp=2)
+    assert [c.name for c in split] == [c.name for c in flat if not c.config.error_feedback]
+    assert {c.tp for c in split} == {2} and split[0].label == "zero3, tp 2"
+    more = refinements(split[-1])
+    assert {c.tp for c in more} == {2} and all(c.label.endswith(", tp 2") for c in more)
+
+
+def test_tune_reads_the_degrees_and_refuses_those_that_do_not_divide_a_node():
+    assert TuneConfig(tp="4,1,2").degrees() == (1, 2, 4)
+    assert TuneConfig(tp="all", local=8, batch=16).degrees() == (1, 2, 4, 8)
+    with pytest.raises(UsageError, match="--tp 3 must divide --local 4"):
+        TuneConfig(tp="1,3")
+    with pytest.raises(UsageError, match=r"--tp 'two': give degrees such as 1,2,4, or all"):
+        TuneConfig(tp="two")
+    from zpp_jax.recipes.tune_run import searched_degrees
+
+    with pytest.raises(UsageError, match="3 does not divide the model's 32 query and 32 key"):
+        searched_degrees(TuneConfig(arch="llama", model="7b", tp="3", local=6, batch=12))
+    # the tiny Llama's 4 query and 2 key-value heads: 4 is left out of all
+    assert searched_degrees(TuneConfig(arch="llama", tp="all")) == (1, 2)
+
+
+def test_the_link_bound_at_a_degree_is_a_rank_s_share_over_its_data_devices():
+    """ZeRO-3's flat ring sends half as much across nodes at degree 2; ZeRO++'s
+    hierarchy sends the same (a device's 1/local share of the model either
+    way): its gain from the degree is inside the node."""
+    link = Link(intra_gbps=100, inter_gbps=1)
+    for config in (ZeroPPConfig.zero3(), ZeroPPConfig()):
+        at_two = link_bound_s(config, 1_000_000, 2, 4, link, tp=2)
+        assert at_two == link_bound_s(config, 500_000, 2, 2, link)
+    flat = [wire_bytes(ZeroPPConfig.zero3(), p, 2, q)[0] for p, q in ((1e6, 4), (5e5, 2))]
+    assert flat[1] == pytest.approx(flat[0] * (3 / 4) / (7 / 8) / 2)
+    ours = [wire_bytes(ZeroPPConfig(), p, 2, q) for p, q in ((1e6, 4), (5e5, 2))]
+    assert ours[1][0] == pytest.approx(ours[0][0]) and ours[1][1] < ours[0][1]
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -121,6 +159,31 @@ def test_choose_takes_the_fastest_within_the_error_bound():
         choose(rows[2:], None)
 
 
+def test_a_step_over_a_device_s_memory_is_marked_and_never_chosen(tmp_path):
+    from zpp_jax.analysis.target import device_memory_bytes
+    from zpp_jax.recipes.tune_run import degree_lines, mark_unfit
+
+    spec = tmp_path / "gpu.txtpb"
+    spec.write_text("gpu_device_info {\n  device_memory_size: 2000000000\n}\n")
+    memory = device_memory_bytes(spec)
+    assert memory == 2_000_000_000
+    row = dict(exposed_s=0.0, cross_node_bytes=1e6, grad_error=0.01)
+    rows = [
+        {"name": "zero3", "tp": 1, "step_s": 1.0, "peak_memory_bytes": 3e9, **row},
+        {"name": "zero3, tp 2", "tp": 2, "step_s": 1.5, "peak_memory_bytes": 1.5e9, **row},
+    ]
+    for r in rows:
+        mark_unfit(r, memory)
+    assert rows[0]["fits"] is False and rows[0]["note"] == "does not fit: peak 3.0 GB > 2.0 GB"
+    assert "fits" not in rows[1]
+    assert choose(rows, 0.25)["name"] == "zero3, tp 2"
+    with pytest.raises(UsageError, match="no measured setting fits in a GPU's memory"):
+        choose(rows[:1], 0.25)
+    why = degree_lines({"rows": rows, "winner": "zero3, tp 2", "tp": 2})
+    assert why[1].startswith("  tp 1: zero3 1000.0 ms, peak 3.000 GB, does not fit")
+    assert why[2].startswith("  tp 2: zero3, tp 2 1500.0 ms") and why[2].endswith("<- chosen")
+
+
 def test_choose_takes_the_fastest_of_the_settings_timed_side_by_side():
     rows = [
         {"name": "a", "step_s": 1.0, "grad_error": 0.01},  # its search time, lucky
@@ -181,19 +244,29 @@ def test_zpp_train_starts_from_a_config_file(tmp_path):
 
 @pytest.mark.slow
 def test_zpp_tune_writes_the_fastest_setting_it_measured(tmp_path):
+    """Over tensor-parallel degrees 1 and 2, with a budget of 2 compiles:
+    ZeRO++'s setting at each degree (their bounds tie), ranked, the
+    fastest written with its degree, and why that degree, by line."""
     out = tmp_path / "tuned.json"
     cmd = [sys.executable, "-m", "zpp_jax", "tune", "--model", "tiny", "--seq", "16"]
     cmd += ["--batch", "8", "--budget", "2", "--steps", "2", "--quiet", "--out", str(out)]
-    cmd += ["--link", "intra=100,inter=0.025"]
+    cmd += ["--link", "intra=100,inter=0.025", "--tp", "1,2"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     measured = [line for line in lines if line[:2].strip() == "*" or line[:2].strip().isdigit()]
     assert len(measured) == 2  # the budget
+    assert {line.split("  ")[0][3:] for line in measured} == {"zeropp w8 g4", "zeropp w8 g4, tp 2"}
     assert sum("not compiled: --budget spent" in line for line in lines) >= 9
     chosen = json.loads(out.read_text())["about"]
     winner = [line for line in measured if line.startswith(" *")]
     assert len(winner) == 1 and chosen["setting"] in winner[0]
+    tp = chosen["tp"]
+    assert (", tp 2" in chosen["setting"]) == (tp == 2)
+    why = lines[lines.index("by tensor-parallel degree (the fastest measured of each):") + 1 :]
+    assert [line.split(":")[0] for line in why[:2]] == ["  tp 1", "  tp 2"]
+    assert why[tp - 1].endswith("<- chosen") and not why[2 - tp].endswith("<- chosen")
+    assert why[2].endswith(f"train it with: zpp train --config {out}" + " --tp 2" * (tp == 2))
     steps = [float(line.split(" ms")[0].split()[-1]) for line in measured]
     assert steps[0] == min(steps)  # the table is ranked and the winner is first
     assert ZeroPPConfig.from_file(out).quantize_gradients

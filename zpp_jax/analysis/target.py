@@ -67,6 +67,18 @@ def target_config(path: str | os.PathLike | None = None) -> str:
     return text
 
 
+def device_memory_bytes(config_path: str | os.PathLike | None = None) -> int:
+    """One GPU's memory in bytes, as `target_config(config_path)` gives it
+    (``gpu_device_info.device_memory_size``): what a compiled step's peak
+    must fit in."""
+    import re
+
+    found = re.search(r"device_memory_size:\s*(\d+)", target_config(config_path))
+    if found is None:
+        raise UsageError("the GPU target description gives no device_memory_size")
+    return int(found.group(1))
+
+
 def target_mesh(
     nodes: int, local: int, config_path: str | os.PathLike | None = None, model: int = 1
 ) -> Mesh:

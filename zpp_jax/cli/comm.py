@@ -42,6 +42,7 @@ from zpp_jax.lora import FROZEN, add_lora
 from zpp_jax.mesh import data_size, make_mesh, model_size
 from zpp_jax.models import preset
 from zpp_jax.models.names import TENSOR_PARALLEL_RULES, check_heads, name_axes
+from zpp_jax.recipes.config import check_degree
 from zpp_jax.train import Trainer, next_token_loss
 
 DEFAULT_CONFIGS = {
@@ -171,8 +172,7 @@ def _check_tensor_parallel(args, model) -> tuple | None:
     against the mesh, the model's heads and the configurations."""
     if args.tp == 1:
         return None
-    if args.local % args.tp:
-        raise UsageError(f"--tp {args.tp} must divide --local {args.local}")
+    check_degree(args.tp, args.local)
     other = sorted(set(args.configs) & {*BASELINES, "zeropp_ef"})
     if other or args.lora is not None:
         what = " and ".join(other) if other else "--lora"

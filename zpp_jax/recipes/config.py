@@ -206,11 +206,7 @@ class RunConfig:
     def _check_tensor_parallel(self) -> None:
         """Raise UsageError unless --tp divides --local and nothing it does
         not combine with yet is on."""
-        if self.local % self.tp:
-            raise UsageError(
-                f"--tp {self.tp} must divide --local {self.local}: a node's devices are "
-                "--local / --tp data-parallel groups of --tp"
-            )
+        check_degree(self.tp, self.local)
         other = (
             "--lora"
             if self.lora is not None
@@ -238,6 +234,16 @@ class RunConfig:
 
 # The settings a checkpoint (`RunConfig.init`) gives, so that none may be set.
 INIT_GIVES = ("arch", "model", "tokenizer")
+
+
+def check_degree(tp: int, local: int) -> None:
+    """Raise UsageError unless a tensor-parallel degree `tp` divides a
+    node's `local` devices (the `model` axis lies inside a node)."""
+    if local % tp:
+        raise UsageError(
+            f"--tp {tp} must divide --local {local}: a node's devices are "
+            "--local / --tp data-parallel groups of --tp"
+        )
 
 
 def init_conflict(init: str, flags: list[str]) -> str:

@@ -1,7 +1,8 @@
 """`zpp tune`: choose the ZeRO++ settings for one model, mesh, batch and link.
 
 1. **Candidates** (`candidates`): ZeRO-3; each technique alone; all three
-   with weight bits 8 or 4 and gradient bits 4 or 8; with error feedback.
+   with weight bits 8 or 4 and gradient bits 4 or 8; with error feedback
+   (degree 1 only); each at every tensor-parallel degree of ``--tp``.
    The fastest eligible one (5.) is then refined (`refinements`): other weight and
    gradient block sizes, the other recomputation policies, small
    parameters kept whole.
@@ -41,7 +42,7 @@ import math
 from zpp_jax.config import ZeroPPConfig
 from zpp_jax.errors import Number, UsageError, count
 from zpp_jax.fields import check_flags, option
-from zpp_jax.recipes.config import ARCHS, DTYPES
+from zpp_jax.recipes.config import ARCHS, DTYPES, check_degree
 
 TARGETS = ("cpu", "h200")
 
@@ -63,6 +64,12 @@ class TuneConfig:
     )
     nodes: int = option(2, "nodes; under zpp launch, the job's process count", type=count())
     local: int = option(4, "devices per node; under zpp launch, each process's", type=count())
+    tp: str = option(
+        "1",
+        "tensor-parallel degrees to search, e.g. 1,2,4, or all (each that divides --local "
+        "and the model's heads): each splits a node's --local devices into groups of that "
+        "many, which split every layer, ZeRO++ over the groups",
+    )
     batch: int = option(16, "global batch (sequences)", type=count())
     compute_dtype: str = option("bfloat16", "dtype the model computes in", choices=DTYPES)
     link: str | None = option(
@@ -112,6 +119,23 @@ class TuneConfig:
             )
         if self.link is not None:
             Link.parse(self.link)
+        self.degrees()
+
+    def degrees(self) -> tuple[int, ...]:
+        """The tensor-parallel degrees --tp names, each checked against
+        --local (every divisor of --local for ``all``; the model's heads are
+        checked once it is built)."""
+        if self.tp == "all":
+            return tuple(t for t in range(1, self.local + 1) if self.local % t == 0)
+        try:
+            degrees = tuple(sorted({int(t) for t in self.tp.split(",")}))
+        except ValueError:
+            raise UsageError(f"--tp {self.tp!r}: give degrees such as 1,2,4, or all") from None
+        if not degrees or degrees[0] < 1:
+            raise UsageError(f"--tp {self.tp!r}: each degree must be a positive number")
+        for t in degrees:
+            check_degree(t, self.local)
+        return degrees
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,16 +198,31 @@ class Link:
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One setting: a name a reader can parse, and its configuration."""
+    """One setting: a name a reader can parse, its configuration, and the
+    tensor-parallel degree it runs at."""
 
     name: str
     config: ZeroPPConfig
+    tp: int = 1
+
+    @property
+    def label(self) -> str:
+        """The name with its degree (none at 1): unique across degrees."""
+        return self.name if self.tp == 1 else f"{self.name}, tp {self.tp}"
 
 
-def candidates(base: ZeroPPConfig) -> list[Candidate]:
+def candidates(base: ZeroPPConfig, tp: int = 1) -> list[Candidate]:
     """ZeRO-3, each technique alone, and all three at each pair of bit
-    widths, plus error feedback: `base` (its wire dtype, remat, blocks)
-    with the techniques switched."""
+    widths, plus error feedback (at degree 1: it does not yet combine with
+    tensor parallelism): `base` (its wire dtype, remat, blocks) with the
+    techniques switched, at tensor-parallel degree `tp`."""
+    out = _techniques(base)
+    if tp > 1:
+        out = [c for c in out if not c.config.error_feedback]
+    return [dataclasses.replace(c, tp=tp) for c in out]
+
+
+def _techniques(base: ZeroPPConfig) -> list[Candidate]:
     off = dict(quantize_weights=False, hpz=False, quantize_gradients=False)
     out = [
         Candidate("zero3", base.replace(**off, error_feedback=False)),
@@ -228,7 +267,7 @@ def refinements(best: Candidate) -> list[Candidate]:
     if cfg.persistence_threshold == 0:
         name = f"{best.name} keep <1e5 whole"
         out.append(Candidate(name, cfg.replace(persistence_threshold=100_000)))
-    return out
+    return [dataclasses.replace(c, tp=best.tp) for c in out]
 
 
 def wire_bytes(config: ZeroPPConfig, params: int, nodes: int, local: int) -> tuple[float, float]:
@@ -263,10 +302,15 @@ def wire_bytes(config: ZeroPPConfig, params: int, nodes: int, local: int) -> tup
     return cross, intra
 
 
-def link_bound_s(config: ZeroPPConfig, params: int, nodes: int, local: int, link: Link) -> float:
+def link_bound_s(
+    config: ZeroPPConfig, params: int, nodes: int, local: int, link: Link, tp: int = 1
+) -> float:
     """Seconds the step's `wire_bytes` take on `link`, the two kinds of link
-    in parallel: no step of `config` can be faster."""
-    cross, intra = wire_bytes(config, params, nodes, local)
+    in parallel: no step of `config` can be faster. At a tensor-parallel
+    degree `tp` each of a node's `local` / `tp` data devices sends its
+    rank's 1/tp of the parameters (the model axis's own activation traffic,
+    which only adds, is not counted)."""
+    cross, intra = wire_bytes(config, params / tp, nodes, local // tp)
     return max(cross / (link.inter_gbps * 1e9), intra / (link.intra_gbps * 1e9))
 
 
@@ -297,10 +341,15 @@ def choose(rows: list[dict], max_grad_error: float | None) -> dict:
     """The fastest measured row whose gradient error is `within_error`
     `max_grad_error`; among those timed again side by side
     (``confirmed``), if any were."""
-    measured = [r for r in rows if r.get("step_s") is not None]
+    measured = [r for r in rows if r.get("step_s") is not None and r.get("fits", True)]
     if any(r.get("confirmed") for r in measured):
         measured = [r for r in measured if r.get("confirmed")]
     if not measured:
+        if any(r.get("fits") is False for r in rows):
+            raise UsageError(
+                "no measured setting fits in a GPU's memory: search higher --tp degrees, "
+                "more devices, or a shorter --seq"
+            )
         raise UsageError("no candidate was measured: raise --budget")
     allowed = [r for r in measured if within_error(r.get("grad_error"), max_grad_error)]
     if not allowed:

@@ -6,6 +6,7 @@ gradient error on one real batch."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import pathlib
 import statistics
@@ -180,12 +181,40 @@ class Progress:
             self.bar.close()
 
 
-class Tuner:
-    """One `zpp tune` run: the model, the mesh, the batch, and the rows
-    measured so far (one per candidate, measured or why not)."""
+def searched_degrees(cfg: TuneConfig) -> tuple[int, ...]:
+    """The tensor-parallel degrees to search: --tp's, each checked against
+    the model's heads (``all``: those that divide them; an entry model's
+    are its own to check)."""
+    degrees = cfg.degrees()
+    if cfg.entry is not None:
+        return degrees
+    from zpp_jax.models import preset
+    from zpp_jax.models.names import check_heads
 
-    def __init__(self, cfg: TuneConfig, mesh, cpu_mesh) -> None:
-        self.cfg, self.mesh, self.cpu_mesh = cfg, mesh, cpu_mesh
+    model, _ = preset(cfg.arch, cfg.model)
+    if cfg.tp != "all":
+        for t in degrees:
+            check_heads(model, t)
+        return degrees
+    fits = []
+    for t in degrees:
+        try:
+            check_heads(model, t)
+        except UsageError:
+            continue
+        fits.append(t)
+    return tuple(fits)
+
+
+class Tuner:
+    """One `zpp tune` run: the model, a mesh per tensor-parallel degree, the
+    batch, and the rows measured so far (one per candidate, measured or
+    why not). `memory_bytes`: one device's memory, where a step must fit
+    (the GPU target's; None: not checked)."""
+
+    def __init__(self, cfg: TuneConfig, meshes: dict, cpu_mesh, memory_bytes=None) -> None:
+        self.cfg, self.meshes, self.cpu_mesh = cfg, meshes, cpu_mesh
+        self.memory_bytes = memory_bytes
         self.link = Link.parse(cfg.link) if cfg.link else None
         self.build, self.seq = model_builder(cfg)
         self.params = parameter_count(self.build)
@@ -201,7 +230,7 @@ class Tuner:
         """The fastest step so far whose gradient error is within
         ``--max-grad-error``: what a candidate must beat."""
         bound = self.cfg.max_grad_error
-        measured = [r for r in self.rows if r.get("step_s") is not None]
+        measured = [r for r in self.rows if r.get("step_s") is not None and r.get("fits", True)]
         eligible = [r["step_s"] for r in measured if within_error(r.get("grad_error"), bound)]
         return min(eligible, default=float("inf"))
 
@@ -212,16 +241,18 @@ class Tuner:
         first: one gradient per distinct quantization). Once ``--budget``
         compiles are spent, the rest are listed unmeasured: no gradient is
         computed for a setting that will not be compiled."""
-        nodes, local = self.mesh.devices.shape
-        bound = {c.name: 0.0 for c in group}
+        nodes, local = self.cfg.nodes, self.cfg.local
+        bound = {c.label: 0.0 for c in group}
         if self.link is not None:
             bound = {
-                c.name: link_bound_s(c.config, self.params, nodes, local, self.link) for c in group
+                c.label: link_bound_s(c.config, self.params, nodes, local, self.link, c.tp)
+                for c in group
             }
-        for c in sorted(group, key=lambda c: bound[c.name]):
-            row = {"name": c.name, "config": c.config, "bound_s": bound[c.name]}
+        for c in sorted(group, key=lambda c: bound[c.label]):
+            row = {"name": c.label, "setting": c.name, "tp": c.tp, "config": c.config}
+            row["bound_s"] = bound[c.label]
             self.rows.append(row)
-            if bound[c.name] >= self.best_step():
+            if bound[c.label] >= self.best_step():
                 row["note"] = "pruned: its link time alone exceeds the fastest step"
                 continue
             if self.compiles >= self.cfg.budget:
@@ -244,15 +275,31 @@ class Tuner:
         kw = dict(compute_dtype=self.cfg.compute_dtype)
         if links is not None:
             kw["links"] = links
+        build, mesh = self._build_at(row["tp"]), self.meshes[row["tp"]]
+        if row["tp"] > 1:
+            from zpp_jax.models.names import TENSOR_PARALLEL_RULES
+
+            kw["rules"] = TENSOR_PARALLEL_RULES
         if self.cfg.target != "cpu":
-            abstract = nnx.eval_shape(self.build)
-            trainer = Trainer(abstract, optax.adamw(1e-3), self.mesh, row["config"], **kw)
+            abstract = nnx.eval_shape(build)
+            trainer = Trainer(abstract, optax.adamw(1e-3), mesh, row["config"], **kw)
             row.update(measure_target(trainer, self.batch))
+            mark_unfit(row, self.memory_bytes)
             return
-        trainer = Trainer(self.build(), optax.adamw(1e-3), self.mesh, row["config"], **kw)
+        trainer = Trainer(build(), optax.adamw(1e-3), mesh, row["config"], **kw)
         step = TimedStep(trainer, self.batch)
         row.update(measure_cpu(step, self.cfg.steps, self.cfg.warmup))
         self._keep(row, step)
+
+    def _build_at(self, tp: int) -> Callable:
+        """The model builder at degree `tp`: a reference model gets its
+        dimensions' logical names (`name_axes`) for the rules to split; an
+        entry model carries its own."""
+        if tp == 1 or self.cfg.entry is not None:
+            return self.build
+        from zpp_jax.models.names import name_axes
+
+        return lambda: name_axes(self.build())
 
     def _keep(self, row: dict, step: TimedStep) -> None:
         """Keep `step` while it is among the ``confirm`` fastest eligible."""
@@ -307,6 +354,16 @@ class Tuner:
         return build, real_batch(self.cfg.batch, seq)
 
 
+def mark_unfit(row: dict, memory_bytes: int | None) -> None:
+    """Mark a measured `row` as not fitting (``fits`` False, and a note)
+    where its peak exceeds `memory_bytes`, one device's memory (None: any
+    fits): `choose` then passes it over."""
+    peak = row["peak_memory_bytes"]
+    if memory_bytes is not None and peak > memory_bytes:
+        row["fits"] = False
+        row["note"] = f"does not fit: peak {peak / 1e9:.1f} GB > {memory_bytes / 1e9:.1f} GB"
+
+
 def check_out(out: pathlib.Path, overwrite: bool) -> None:
     """Raise UsageError unless the winner can be written to `out`: checked
     before the search, not after it."""
@@ -321,17 +378,23 @@ def check_out(out: pathlib.Path, overwrite: bool) -> None:
         raise UsageError(f"--out {out}: the directory {parent} is not writable")
 
 
-def tune(cfg: TuneConfig, mesh, cpu_mesh) -> dict:
-    """Run `zpp tune` on `mesh` (CPU devices, or a GPU target mesh), its
-    numerics on `cpu_mesh`; write the winner to ``cfg.out`` (process 0).
-    Returns the rows, ranked, and the winner's."""
+def tune(cfg: TuneConfig, meshes: dict, cpu_mesh, memory_bytes: int | None = None) -> dict:
+    """Run `zpp tune` on `meshes` (per tensor-parallel degree: CPU devices,
+    or a GPU target mesh), its numerics on `cpu_mesh`; write the winner to
+    ``cfg.out`` (process 0). Every degree's candidates are measured in one
+    order, by their link bounds; the fastest eligible setting is refined at
+    its degree. Returns the rows, ranked, and the winner's."""
     out = pathlib.Path(cfg.out)
     check_out(out, cfg.overwrite)
-    tuner = Tuner(cfg, mesh, cpu_mesh)
+    tuner = Tuner(cfg, meshes, cpu_mesh, memory_bytes)
     start = time.perf_counter()
-    tuner.run(candidates(ZeroPPConfig(comm_dtype="bfloat16")))
+    base = ZeroPPConfig(comm_dtype="bfloat16")
+    # Each setting at every degree next to each other, so that of settings
+    # whose bounds tie the budget spends its compiles across the degrees.
+    per_degree = [candidates(base, t) for t in meshes]
+    tuner.run([c for row in itertools.zip_longest(*per_degree) for c in row if c is not None])
     best = choose(tuner.rows, cfg.max_grad_error)
-    tuner.run(refinements(Candidate(best["name"], best["config"])))
+    tuner.run(refinements(Candidate(best["setting"], best["config"], best["tp"])))
     tuner.progress.close()
     tuner.confirm()
     winner = choose(tuner.rows, cfg.max_grad_error)
@@ -341,9 +404,10 @@ def tune(cfg: TuneConfig, mesh, cpu_mesh) -> dict:
         about = {
             "tuned_by": "zpp tune",
             "setting": winner["name"],
+            "tp": winner["tp"],
             "step_s": winner["step_s"],
             "target": cfg.target,
-            "mesh": list(mesh.devices.shape),
+            "mesh": list(meshes[winner["tp"]].devices.shape),
             "batch": cfg.batch,
             "seq": tuner.seq,
             "link": cfg.link,
@@ -353,7 +417,13 @@ def tune(cfg: TuneConfig, mesh, cpu_mesh) -> dict:
             "rows": [_summary(r) for r in rows],
         }
         winner["config"].to_file(out, about=about, overwrite=cfg.overwrite)
-    return {"rows": rows, "winner": winner["name"], "seconds": took, "compiles": tuner.compiles}
+    return {
+        "rows": rows,
+        "winner": winner["name"],
+        "tp": winner["tp"],
+        "seconds": took,
+        "compiles": tuner.compiles,
+    }
 
 
 def rank(row: dict) -> tuple:
@@ -364,7 +434,7 @@ def rank(row: dict) -> tuple:
 
 def _summary(row: dict) -> dict:
     """A row as the config file's provenance keeps it (JSON, no config)."""
-    keys = ("name", "step_s", "search_step_s", "confirmed", "exposed_s", "grad_error")
+    keys = ("name", "tp", "step_s", "search_step_s", "confirmed", "exposed_s", "grad_error")
     keys += ("bound_s", "note", "compute_s", "link_busy_s")
     keys += ("cross_node_bytes", "intra_node_bytes", "peak_memory_bytes")
     return {k: row[k] for k in keys if row.get(k) is not None}
@@ -390,11 +460,36 @@ def table(result: dict, target: str) -> str:
             f"{mark:>2} {r['name']:28} {r['step_s'] * 1e3:19.1f} ms {exposed:>9} "
             f"{r['cross_node_bytes'] / 1e6:14.2f} {r['peak_memory_bytes'] / 1e9:8.3f} {error:>10}"
             + _links_and_compute(r)
+            + (f"   {r['note']}" if r.get("note") else "")
         )
     again = sum(bool(r.get("confirmed")) for r in result["rows"])
     if again:
         lines.append(f"(the first {again} timed again side by side, and chosen among)")
-    return "\n".join(lines)
+    return "\n".join(lines + degree_lines(result))
+
+
+def degree_lines(result: dict) -> list[str]:
+    """Why the degree: each searched degree's fastest measured setting, its
+    step and what bounds it (the kernels alone, each link's busy time, the
+    peak); none where one degree was searched."""
+    degrees = sorted({r.get("tp", 1) for r in result["rows"]})
+    if len(degrees) < 2:
+        return []
+    lines = ["by tensor-parallel degree (the fastest measured of each):"]
+    for t in degrees:
+        rows = [r for r in result["rows"] if r.get("tp", 1) == t]
+        measured = [r for r in rows if r.get("step_s") is not None]
+        if not measured:
+            lines.append(f"  tp {t}: none measured (pruned, or over the budget)")
+            continue
+        r = min(measured, key=lambda r: (r.get("fits") is False, r["step_s"]))
+        mark = "  <- chosen" if t == result["tp"] else ""
+        fits = "" if r.get("fits", True) else ", does not fit"
+        lines.append(
+            f"  tp {t}: {r['name']} {r['step_s'] * 1e3:.1f} ms, peak "
+            f"{r['peak_memory_bytes'] / 1e9:.3f} GB{fits}{_links_and_compute(r)}{mark}"
+        )
+    return lines
 
 
 def _links_and_compute(row: dict) -> str:
@@ -411,18 +506,26 @@ def run_tune_command(cfg: TuneConfig) -> int:
     from zpp_jax.mesh import make_mesh
 
     check_out(pathlib.Path(cfg.out), cfg.overwrite)
+    degrees = searched_degrees(cfg)
+    if not degrees:
+        raise UsageError(f"--tp all: no degree that divides --local {cfg.local} divides the heads")
+    cpu_mesh = make_mesh(cfg.nodes, cfg.local)
+    memory = None
     if cfg.target == "cpu":
-        mesh = cpu_mesh = make_mesh(cfg.nodes, cfg.local)
+        meshes = {t: make_mesh(cfg.nodes, cfg.local // t, model=t) for t in degrees}
     else:
         from zpp_jax.analysis import target_mesh
+        from zpp_jax.analysis.target import device_memory_bytes
 
-        mesh = target_mesh(cfg.nodes, cfg.local, cfg.target_config)
-        cpu_mesh = make_mesh(cfg.nodes, cfg.local)
-    result = tune(cfg, mesh, cpu_mesh)
+        meshes = {t: target_mesh(cfg.nodes, cfg.local, cfg.target_config, t) for t in degrees}
+        memory = device_memory_bytes(cfg.target_config)
+    result = tune(cfg, meshes, cpu_mesh, memory)
     if jax.process_index() == 0:
         print(table(result, cfg.target))
+        train = f"zpp train --config {cfg.out}"
+        train += f" --tp {result['tp']}" if result["tp"] > 1 else ""
         print(
             f"zpp tune: {result['compiles']} compiles in {result['seconds']:.0f} s; "
-            f"chose {result['winner']!r}, written to {cfg.out}"
+            f"chose {result['winner']!r}, written to {cfg.out}; train it with: {train}"
         )
     return 0
