@@ -503,19 +503,38 @@ def test_a_boxed_linen_model_with_logical_names_trains_exactly_and_keeps_its_box
 
 
 class ConstrainedBlock(nnx.Module):
-    def __init__(self, rngs):
-        self.lin = nnx.Linear(D, D, rngs=rngs)
+    def __init__(self, rngs, spec, constrain=None):
+        self.lin, self.spec, self.constrain = nnx.Linear(D, D, rngs=rngs), spec, constrain
 
     def __call__(self, x):
-        spec = jax.sharding.PartitionSpec(("node", "local"))
-        return jax.lax.with_sharding_constraint(self.lin(x), spec)
+        constrain = self.constrain or jax.lax.with_sharding_constraint  # looked up when called
+        return constrain(self.lin(x), self.spec)
 
 
-def test_a_sharding_constraint_inside_a_unit_is_refused(mesh24):
-    model = zpp.shard(ConstrainedBlock(nnx.Rngs(0)), mesh24, EXACT, policy=[()])
-    x = jax.device_put(np.ones((ROWS, D), np.float32), zpp.batch_sharding(mesh24))
-    with pytest.raises(UsageError, match="unit <the model> constrains the sharding"):
-        model(x)
+def test_a_sharding_constraint_inside_a_unit_is_mapped_onto_the_mesh(mesh24):
+    """A constraint over the data axes (zpp's own, or FSDP's `data`) holds
+    inside a unit by construction: the output is the plain model's. An
+    axis the mesh does not reach, or a sharding that names none, is refused."""
+    P = jax.sharding.PartitionSpec
+    x = np.random.default_rng(0).normal(size=(ROWS, D)).astype(np.float32)
+    want = ConstrainedBlock(nnx.Rngs(0), None).lin(x)
+    placed = jax.device_put(x, zpp.batch_sharding(mesh24))
+    for spec in (P(("node", "local")), P("data", None), P(("data", "fsdp"))):
+        model = zpp.shard(ConstrainedBlock(nnx.Rngs(0), spec), mesh24, EXACT, policy=[()])
+        np.testing.assert_allclose(model(placed), want, rtol=1e-6, atol=1e-6)
+    wrong = {
+        P("batch"): "along the mesh axis 'batch', which zpp's mesh",
+        jax.sharding.make_single_device_sharding(jax.devices()[0]): "to a SingleDeviceSharding",
+    }
+    for spec, message in wrong.items():
+        model = zpp.shard(ConstrainedBlock(nnx.Rngs(0), spec), mesh24, EXACT, policy=[()])
+        with pytest.raises(UsageError, match=f"unit <the model> constrains an array {message}"):
+            model(placed)
+    # Bound before the call, as `from jax.lax import with_sharding_constraint` binds it.
+    block = ConstrainedBlock(nnx.Rngs(0), P("data"), jax.lax.with_sharding_constraint)
+    model = zpp.shard(block, mesh24, EXACT, policy=[()])
+    with pytest.raises(UsageError, match="in a way zpp cannot map onto its mesh .* imported"):
+        model(placed)
 
 
 class PartitionedNet(nnx.Module):

@@ -44,7 +44,13 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, rngs):
+    """`hidden` and `residual`: the PartitionSpecs (over the author's
+    (`data`, `model`) mesh) its code constrains the MLP's hidden units and
+    the residual stream to, as a model written for `jax.jit` does; None:
+    no constraint."""
+
+    def __init__(self, rngs, hidden=None, residual=None):
+        self.hidden, self.residual = hidden, residual
         self.norm = nnx.RMSNorm(D, rngs=rngs)
         self.attention = Attention(rngs)
         self.up = nnx.Linear(
@@ -57,17 +63,25 @@ class Block(nnx.Module):
         self.down = nnx.Linear(F, D, kernel_init=_named(("model", None)), rngs=rngs)
 
     def __call__(self, x):
-        x = x + self.attention(self.norm(x))
-        return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+        x = _constrained(x + self.attention(self.norm(x)), self.residual)
+        hidden = _constrained(jax.nn.gelu(self.up(self.norm(x))), self.hidden)
+        return _constrained(x + self.down(hidden), self.residual)
+
+
+def _constrained(x, spec):
+    return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+
+
+MEGATRON = dict(hidden=P("data", None, "model"), residual=P("data", None, None))
 
 
 class Decoder(nnx.Module):
     """A small decoder whose matrices carry mesh-axis sharding names, as a
     model written for `jax.jit` with a (`data`, `model`) mesh has them."""
 
-    def __init__(self, rngs, layers=2):
+    def __init__(self, rngs, layers=2, **constraints):
         self.embed = nnx.Linear(8, D, rngs=rngs)
-        self.blocks = nnx.List([Block(rngs) for _ in range(layers)])
+        self.blocks = nnx.List([Block(rngs, **constraints) for _ in range(layers)])
         self.head = nnx.Linear(D, 4, rngs=rngs)
 
     def __call__(self, x):
@@ -83,11 +97,11 @@ def _user_mesh(shape, devices=None):
     return jax.make_mesh(shape, ("data", "model"), devices=devices, axis_types=auto)
 
 
-def _make(devices=None, shape=(4, 2)):
+def _make(devices=None, shape=(4, 2), **constraints):
     """The decoder, created as its author would: under the author's mesh."""
     user = _user_mesh(shape, devices)
     with jax.set_mesh(user):
-        return Decoder(nnx.Rngs(0))
+        return Decoder(nnx.Rngs(0), **constraints)
 
 
 def _batch(i=0):
@@ -175,6 +189,52 @@ def test_zero3_with_tensor_parallelism_equals_one_device(one_device):
     for path, g in grads.items():
         want = want_grads[path]
         assert np.linalg.norm(g - want) <= 1e-5 * max(np.linalg.norm(want), floor), path
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_model_that_constrains_its_activations_to_mesh_axes_trains_as_written(one_device, tp):
+    """Each block calls `jax.lax.with_sharding_constraint` with specs over
+    its author's (`data`, `model`) mesh (Megatron's layout: the MLP's hidden
+    units over `model`, the residual stream replicated over it). Sharded on
+    2 x 2 devices (TP 1) and 2 x 2 x 2 (TP 2), unchanged, it trains as on
+    one device (where the constraints are its own, a layout of one device)
+    to 1e-5: losses of 5 Adam steps and each first gradient, in norm."""
+    want_losses, want_grads = one_device
+    mesh = (
+        zpp.make_mesh(2, 2, devices=jax.devices()[:4]) if tp == 1 else zpp.make_mesh(2, 2, model=2)
+    )
+    model = zpp.shard(_make(**MEGATRON), mesh, EXACT)
+    losses, grads = _train(model, STEPS, mesh)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses, strict=True)) <= 1e-5
+    floor = 1e-3 * max(np.linalg.norm(g) for g in want_grads.values())
+    for path, g in grads.items():
+        want = want_grads[path]
+        assert np.linalg.norm(g - want) <= 1e-5 * max(np.linalg.norm(want), floor), path
+
+
+def test_a_constraint_s_model_axis_part_is_the_layout_inside_a_unit():
+    """With the MLP's hidden units constrained to be whole on every model
+    rank (P('data', None, None), where Megatron's split leaves them over
+    `model`), XLA gathers them over the model axis: more bytes move among
+    a node's model pairs than with the Megatron constraint, and the same
+    across the data devices. A name the mesh does not reach is refused."""
+    mesh = zpp.make_mesh(2, 2, model=2)
+
+    def moved(**constraints):
+        model = zpp.shard(_make(**constraints), mesh, EXACT)
+        graphdef, state = nnx.split(model)
+        x, y = (jax.device_put(a, zpp.batch_sharding(mesh)) for a in _batch())
+        loss = jax.jit(jax.grad(lambda s: _loss(nnx.merge(graphdef, s), x, y)))
+        found = collectives_in_hlo(loss.lower(state).compile().as_text())
+        pairs = sum(c.moved_bytes for c in found if len(c.groups[0]) == 2)
+        return pairs, sum(c.moved_bytes for c in found if len(c.groups[0]) == 4)
+
+    megatron, whole = moved(**MEGATRON), moved(hidden=P("data", None, None))
+    assert whole[0] > megatron[0] and whole[1] == megatron[1]
+    model = zpp.shard(_make(hidden=P("data", None, "tensor")), mesh, EXACT)
+    x = jax.device_put(_batch()[0], zpp.batch_sharding(mesh))
+    with pytest.raises(UsageError, match=r"mesh axis 'tensor'.*rules=\[\('tensor', 'model'\)\]"):
+        model(x)
 
 
 @pytest.mark.slow  # 60 steps of two models

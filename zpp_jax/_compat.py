@@ -35,12 +35,13 @@ What changed between the versions this module has met:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import jax
@@ -372,3 +373,24 @@ def _compiles_with(options: tuple[tuple[str, Any], ...]) -> bool:
     except jax.errors.JaxRuntimeError:
         return False
     return True
+
+
+@checked_on("0.11.2", "0.12.0.1", "0.12.1")
+@contextlib.contextmanager
+def sharding_constraints_routed(route: Callable) -> Iterator[None]:
+    """A block in which ``jax.lax.with_sharding_constraint(x, shardings)``,
+    as code calls it through the `jax.lax` module (Flax's Linen and NNX do,
+    and so does a model that writes ``jax.lax.with_sharding_constraint``),
+    is ``route(x, shardings, original)``. Code that imported the function
+    itself before the block calls JAX's own. Tracing runs on one thread:
+    the attribute is JAX's again when the block ends, also on an error."""
+    original = jax.lax.with_sharding_constraint
+
+    def routed(x, shardings):
+        return route(x, shardings, original)
+
+    jax.lax.with_sharding_constraint = routed
+    try:
+        yield
+    finally:
+        jax.lax.with_sharding_constraint = original

@@ -5,8 +5,13 @@ the batch, inside a `jax.shard_map` over (`node`, `local`).
   (``batch_axis_name``, as models written for ``pmap`` name it) run over
   every device: `with_batch_axis`.
 * Logical sharding constraints (``nn.with_logical_constraint``) name a
-  layout of the whole batch, which one device's rows have not: dropped
-  (`constraints_dropped`).
+  layout of the whole batch, which one device's rows have not: dropped.
+* Sharding constraints that name mesh axes (``jax.lax.with_sharding_constraint``,
+  as models written for ``jax.jit`` over a (`data`, `model`) mesh call
+  it) are mapped onto the unit's mesh: their data-parallel parts hold by
+  construction (each device holds its own rows) and are dropped, their
+  tensor-parallel parts become the layout along `model`
+  (`constraints_on_device`, `constraint_axes`).
 * What cannot run there (a collective over a name nothing binds, a
   constraint naming mesh axes, another unit's call) is refused with a
   `UsageError` that says what to do: `refused_inside`, `check_not_nested`.
@@ -21,10 +26,12 @@ from collections.abc import Callable, Iterator
 
 import flax.linen as nn
 import jax
+from jax.sharding import NamedSharding, Sharding
+from jax.sharding import PartitionSpec as P
 
-from zpp_jax._compat import bind_axis_name
+from zpp_jax._compat import bind_axis_name, sharding_constraints_routed
 from zpp_jax.errors import UsageError
-from zpp_jax.mesh import AXES
+from zpp_jax.mesh import AXES, MODEL
 
 
 def check_batch_axis_name(name: str | None) -> None:
@@ -48,10 +55,78 @@ def with_batch_axis(fn: Callable, name: str | None, devices: int) -> Callable:
     return fn if name is None else bind_axis_name(fn, name, AXES, devices)
 
 
-def constraints_dropped() -> contextlib.AbstractContextManager:
-    """A block in which logical sharding constraints map no name to a mesh
-    axis, so that each is a constraint to nothing."""
-    return nn.logical_axis_rules(())
+def constraint_axes(rules, along) -> tuple[tuple[str, str | None], ...]:
+    """Where each mesh-axis name a unit's sharding constraints may use lands
+    on the unit's mesh: `MODEL`, or None (a data-parallel axis). `model`
+    is itself; zpp's (`node`, `local`) and `along` (the axes FSDP shards
+    over: ``fsdp``, ``data``) are data axes; a name the logical `rules`
+    map (the first rule for it, as Flax reads them) lands where its axes
+    do. Names none of these reach are not listed: a constraint naming one
+    is refused (`constraints_on_device`)."""
+    known: dict[str, str | None] = {MODEL: MODEL, **dict.fromkeys((*AXES, *along))}
+    mapped: dict[str, str | None] = {}
+    for name, target in rules or ():
+        axes = [a for a in (target if isinstance(target, tuple | list) else (target,)) if a]
+        if name in mapped or not all(a in known for a in axes):
+            continue
+        mapped[name] = MODEL if MODEL in [known[a] for a in axes] else None
+    return tuple({**known, **mapped}.items())
+
+
+@contextlib.contextmanager
+def constraints_on_device(info) -> Iterator[None]:
+    """The block a unit's code runs in (`info`, its `UnitInfo`): logical
+    sharding constraints map no name to a mesh axis (each is a constraint
+    to nothing), and ``jax.lax.with_sharding_constraint`` maps its mesh-axis
+    names by ``info.constraint_axes`` (`constraint_axes`): on a mesh with a
+    `model` axis the constraint then holds along it (replicated over it
+    where no name lands there, as the author's spec says); without one,
+    nothing is left to constrain. Costs nothing at run time.
+
+    Raises (as the unit's code calls it):
+      UsageError: a constraint names an axis `axes` does not reach, or is
+        not a PartitionSpec or NamedSharding."""
+    unit, axes = info.name, dict(info.constraint_axes)
+    tensor_parallel = MODEL in info.mesh.shape and info.mesh.shape[MODEL] > 1
+
+    def route(x, shardings, original):
+        specs = jax.tree.map(
+            lambda s: _local_spec(s, axes, unit),
+            shardings,
+            is_leaf=lambda s: s is None or isinstance(s, P | Sharding),
+        )
+        return original(x, specs) if tensor_parallel else x
+
+    with nn.logical_axis_rules(()), sharding_constraints_routed(route):
+        yield
+
+
+def _local_spec(sharding, axes: dict, unit: str) -> P | None:
+    """`sharding` (the author's) as a spec over the unit's mesh."""
+    if sharding is None:
+        return None
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
+    if not isinstance(spec, P):
+        raise UsageError(
+            f"unit {unit} constrains an array to a {type(sharding).__name__}; inside a unit "
+            "zpp maps a PartitionSpec or a NamedSharding (mesh-axis names) onto its mesh"
+        )
+    return P(*(_local_entry(entry, axes, unit) for entry in spec))
+
+
+def _local_entry(entry, axes: dict, unit: str):
+    if entry is None or entry is P.UNCONSTRAINED:
+        return entry
+    names = entry if isinstance(entry, tuple) else (entry,)
+    for name in names:
+        if name not in axes:
+            raise UsageError(
+                f"unit {unit} constrains an array along the mesh axis {name!r}, which zpp's mesh "
+                f"{tuple(axes)} does not reach: pass rules that map it, e.g. "
+                f"rules=[({name!r}, 'model')] for a tensor-parallel axis or [({name!r}, None)] "
+                "for a data-parallel one, to zpp.shard"
+            )
+    return MODEL if MODEL in [axes[n] for n in names] else None
 
 
 _UNBOUND = re.compile(r"unbound axis name: (\S+?)\.")
@@ -68,11 +143,12 @@ def refused_inside(unit: str) -> Iterator[None]:
         if "with_sharding_constraint" not in str(e) and "Resource axis" not in str(e):
             raise
         raise UsageError(
-            f"unit {unit} constrains the sharding of an array "
-            "(jax.lax.with_sharding_constraint, or a logical constraint with rules of its "
-            "own): inside a unit each device holds its own rows, so a layout of the whole "
-            "batch means nothing there. Constrain outside the units, or use "
-            "nn.with_logical_constraint with the rules in scope, which zpp drops inside units"
+            f"unit {unit} constrains the sharding of an array in a way zpp cannot map onto "
+            "its mesh (a with_sharding_constraint the model imported as a name, not called as "
+            "jax.lax.with_sharding_constraint): inside a unit each device holds its own rows. "
+            "Call it as jax.lax.with_sharding_constraint, whose mesh-axis names zpp maps, "
+            "constrain outside the units, or use nn.with_logical_constraint with the rules "
+            "in scope, which zpp drops inside units"
         ) from None
     except NameError as e:
         found = _UNBOUND.search(str(e))

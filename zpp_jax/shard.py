@@ -61,7 +61,7 @@ from zpp_jax.metadata import (
     model_dim,
     place_variable,
 )
-from zpp_jax.on_device import check_batch_axis_name
+from zpp_jax.on_device import check_batch_axis_name, constraint_axes
 from zpp_jax.outputs import Outputs, check_outputs, emptied_sown, merge_sown
 from zpp_jax.partition import quant_float_dtypes
 from zpp_jax.paths import is_container, node_at, set_at
@@ -417,6 +417,7 @@ def _make_unit(module, plan: _Plan, name: str) -> None:
         specs,
         plan.batch_axis_name,
         tuple(model_dims),
+        constraint_axes(plan.rules, plan.along),
     )
     module.__class__ = _sharded_class(type(module))
 

@@ -46,7 +46,7 @@ from zpp_jax.metadata import (
     reboxed,
     unboxed,
 )
-from zpp_jax.on_device import check_batch_axis_name
+from zpp_jax.on_device import check_batch_axis_name, constraint_axes
 from zpp_jax.outputs import Outputs, append_sown, check_outputs
 from zpp_jax.overlap.relay import relay_scope
 from zpp_jax.partition import quant_float_dtypes
@@ -357,7 +357,8 @@ def shard_linen(
     params = {path: unboxed(v) for path, v in boxed.items()}
     units = _select(params, policy)
     rules = rules if rules is not None else nn.get_logical_axis_rules()
-    sharded, split_dims = _placed(boxed, mesh, config, rules, check_shard_along(shard_along))
+    along = check_shard_along(shard_along)
+    sharded, split_dims = _placed(boxed, mesh, config, rules, along)
     infos = {}
     for unit in units:
         inside = [p for p in params if p[: len(unit)] == unit]
@@ -370,6 +371,7 @@ def shard_linen(
             outputs=outputs,
             batch_axis_name=batch_axis_name,
             model_dims=tuple((p[len(unit) :], split_dims[p][1]) for p in inside),
+            constraint_axes=constraint_axes(rules, along),
         )
     replicated = NamedSharding(mesh, P())
     out = {c: jax.device_put(dict(v), replicated) for c, v in variables.items() if c != "params"}

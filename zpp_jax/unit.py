@@ -35,7 +35,7 @@ from zpp_jax.layer import ShardedLayer
 from zpp_jax.mesh import AXES, data_size, mesh_shape, model_size, place, spec_along
 from zpp_jax.on_device import (
     check_not_nested,
-    constraints_dropped,
+    constraints_on_device,
     fold_keys,
     refused_inside,
     with_batch_axis,
@@ -72,6 +72,7 @@ class UnitInfo:
     frozen: tuple[FrozenSpec, ...] = ()  # split frozen parameters, stored as codes
     batch_axis_name: str | None = None  # the model's own name for the data-parallel devices
     model_dims: tuple[tuple[Any, int | None], ...] = ()  # (key, dimension split over `model`)
+    constraint_axes: tuple[tuple[str, str | None], ...] = ()  # `on_device.constraint_axes`
 
 
 def unit_scope(name: str) -> str:
@@ -321,12 +322,12 @@ class _Call:
                 values = {k: v.astype(info.compute_dtype) for k, v in values.items()}
             given = fold_keys(arg_values, arg_keys, index)
             folded = fold_keys(state_values, keys, index)
-            with constraints_dropped():
+            with constraints_on_device(info):
                 self._check_rows(run, (values, folded, given))
             call_args, call_kwargs = close_tree(
                 nnx.merge(self.arg_def, with_values(self.arg_items, given))
             )
-            with constraints_dropped():
+            with constraints_on_device(info):
                 out, new_state, sown = run(values, folded, call_args, call_kwargs)
             out = open_tree(out, f"unit {info.name}'s output", statics=True)
             if len(new_state) != len(state_values):
