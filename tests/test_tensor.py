@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import zpp_jax as zpp
 from zpp_jax.analysis import collectives_in_hlo
 from zpp_jax.errors import UsageError
-from zpp_jax.mesh import data_size, devices_per_node, mesh_shape, model_size
+from zpp_jax.mesh import data_size, devices_per_node, mesh_shape, model_size, shard_dim
 from zpp_jax.overlap.hlo import summarize
 
 EXACT = zpp.ZeroPPConfig.zero3(comm_dtype=None)  # fp32 wire: one device's numbers
@@ -285,6 +285,59 @@ def test_weight_gathers_stay_within_a_model_rank_and_move_its_slice():
     for c in gathers:
         ranks = [{d % 2 for d in group} for group in c.groups]
         assert all(len(r) == 1 for r in ranks) or all(len(g) == 2 for g in c.groups), c
+
+
+def test_zeropp_per_model_rank_moves_the_analytic_bytes():
+    """The GPT (its MLP and vocabulary over `model`) with ZeRO++ on 2 x 2 x
+    2: inside the layer loop, the collectives among one model rank's data
+    devices move, per device, what the rank's layout gives by hand (as
+    `test_comm` counts them without a model axis, with N = 4 data devices):
+    hpZ's int8 gather across nodes, then inside the node, forward and
+    backward; qgZ's int4 all-to-all inside the node, then its permute
+    across nodes. The rank's layout is its slice of each parameter, split
+    over the data devices along another dimension (where one does; a
+    slice none does stays whole, its gradient all-reduced)."""
+    from test_comm import _in_loop
+
+    from zpp_jax import quant
+    from zpp_jax.analysis import step_report
+    from zpp_jax.cli.comm import DEFAULT_CONFIGS
+    from zpp_jax.models import GPT, GPTConfig
+    from zpp_jax.models.names import TENSOR_PARALLEL_RULES, name_axes
+    from zpp_jax.partition import call_layout
+
+    cfg, config = GPTConfig.preset("tiny", seq_len=16), DEFAULT_CONFIGS["zeropp"]
+    mesh, nodes, local, n = zpp.make_mesh(2, 2, model=2), 2, 2, 4
+    model = name_axes(GPT(cfg, nnx.Rngs(0)))
+    params = []
+    for _, var in nnx.to_flat_state(nnx.state(model.blocks, nnx.Param)):
+        shape = list(np.shape(var.get_value())[1:])  # one layer of the stack
+        names = (var.get_metadata("out_sharding", None) or ())[1:]
+        split = next((d for d, name in enumerate(names) if name in ("mlp", "vocab")), None)
+        if split is not None:
+            shape[split] //= 2
+        params.append((tuple(shape), jnp.float32, shard_dim(tuple(shape), n, False, taken=split)))
+    layout = call_layout(config, [p for p in params if p[2] is not None], n)  # the rest: whole
+    trainer = zpp.Trainer(model, optax.adamw(1e-3), mesh, config, rules=TENSOR_PARALLEL_RULES)
+    tokens = jax.ShapeDtypeStruct((16, cfg.seq_len), jnp.int32)
+    report = step_report(trainer, {"inputs": tokens, "targets": tokens})
+    w8 = sum(quant.wire_bytes(k, 8, 256) for _, k in layout.segments)
+    w4 = quant.wire_bytes(layout.shard_size, 4, 32, scale_bytes=2)
+    cross = (nodes - 1) / nodes * nodes * (w8 + w4)
+    # A rank's slice no data dimension splits (the MLP's bias: its one
+    # dimension is the model's) stays whole on the data devices, and its
+    # fp32 gradient is all-reduced over all 4 of them (a ring: 2 (N-1)/N).
+    whole = sum(4 * np.prod(shape) for shape, _, dim in params if dim is None)
+    cross += 2 * (n - 1) / n * whole
+    intra = 2 * (local - 1) / local * n * w8 + (local - 1) / local * n * w4
+    # Among one rank's data devices (ids of one parity); XLA's own over `model` aside.
+    groups = [
+        c
+        for c in report["collectives"]
+        if all(len({d % 2 for d in g}) == 1 for g in c["replica_groups"])
+    ]
+    assert _in_loop({"collectives": groups}, cfg.n_layers, True) == cfg.n_layers * cross
+    assert _in_loop({"collectives": groups}, cfg.n_layers, False) == cfg.n_layers * intra
 
 
 def test_a_node_holds_its_data_devices_times_the_model_axis():
