@@ -347,8 +347,8 @@ def _check_model_axis(model, plan: _Plan) -> None:
     """`check_model_axis` of the model's parameters, before any is placed."""
     params = nnx.to_flat_state(nnx.state(model, nnx.Param))
     dims = [model_dim(v, plan.mesh, plan.rules, _name(p)) for p, v in params]
-    refused = plan.config.error_feedback and "error feedback" or plan.frozen and "freeze="
-    check_model_axis(dims, plan.mesh, refused or None)
+    refused = "error feedback" if plan.config.error_feedback else "freeze=" if plan.frozen else None
+    check_model_axis(dims, plan.mesh, refused)
 
 
 @dataclasses.dataclass(frozen=True)
