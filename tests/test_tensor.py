@@ -191,19 +191,33 @@ def test_zero3_with_tensor_parallelism_equals_one_device(one_device):
         assert np.linalg.norm(g - want) <= 1e-5 * max(np.linalg.norm(want), floor), path
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_a_model_that_constrains_its_activations_to_mesh_axes_trains_as_written(one_device, tp):
+SEQUENCE = dict(hidden=P("data", None, "model"), residual=P("data", "model", None))
+
+
+@pytest.mark.parametrize(
+    "tp, constraints",
+    [
+        pytest.param(1, MEGATRON, id="tp1"),
+        pytest.param(2, MEGATRON, id="tp2", marks=pytest.mark.slow),
+        pytest.param(2, SEQUENCE, id="tp2-sequence-parallel", marks=pytest.mark.slow),
+    ],
+)
+def test_a_model_that_constrains_its_activations_to_mesh_axes_trains_as_written(
+    one_device, tp, constraints
+):
     """Each block calls `jax.lax.with_sharding_constraint` with specs over
     its author's (`data`, `model`) mesh (Megatron's layout: the MLP's hidden
-    units over `model`, the residual stream replicated over it). Sharded on
-    2 x 2 devices (TP 1) and 2 x 2 x 2 (TP 2), unchanged, it trains as on
-    one device (where the constraints are its own, a layout of one device)
-    to 1e-5: losses of 5 Adam steps and each first gradient, in norm."""
+    units over `model`, the residual stream replicated over it; or split
+    along the sequence, as Megatron's sequence parallelism holds it).
+    Sharded on 2 x 2 devices (TP 1) and 2 x 2 x 2 (TP 2), unchanged, it
+    trains as on one device (where the constraints are its own, a layout of
+    one device) to 1e-5: losses of 5 Adam steps and each first gradient,
+    in norm."""
     want_losses, want_grads = one_device
     mesh = (
         zpp.make_mesh(2, 2, devices=jax.devices()[:4]) if tp == 1 else zpp.make_mesh(2, 2, model=2)
     )
-    model = zpp.shard(_make(**MEGATRON), mesh, EXACT)
+    model = zpp.shard(_make(**constraints), mesh, EXACT)
     losses, grads = _train(model, STEPS, mesh)
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses, strict=True)) <= 1e-5
     floor = 1e-3 * max(np.linalg.norm(g) for g in want_grads.values())
@@ -287,6 +301,7 @@ def test_weight_gathers_stay_within_a_model_rank_and_move_its_slice():
         assert all(len(r) == 1 for r in ranks) or all(len(g) == 2 for g in c.groups), c
 
 
+@pytest.mark.slow  # the GPT's ZeRO++ step, compiled; test_weight_gathers_... is quick
 def test_zeropp_per_model_rank_moves_the_analytic_bytes():
     """The GPT (its MLP and vocabulary over `model`) with ZeRO++ on 2 x 2 x
     2: inside the layer loop, the collectives among one model rank's data
