@@ -187,10 +187,11 @@ def data_size(mesh: Mesh) -> int:
 
 
 def devices_per_node(mesh: Mesh) -> int:
-    """A node's devices: local x model (a device's node is its position in
-    `mesh.devices`, row-major, divided by this)."""
-    nodes, _ = mesh_shape(mesh)
-    return mesh.devices.size // nodes
+    """A node's devices: local x model, the axes inside `node` (a device's
+    node is its position in `mesh.devices`, row-major, divided by this; a
+    pipeline's stages, outside `node`, are nodes of their own)."""
+    _, local = mesh_shape(mesh)
+    return local * model_size(mesh)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from zpp_jax.errors import UsageError
-from zpp_jax.mesh import LOCAL
+from zpp_jax.mesh import devices_per_node
 from zpp_jax.overlap.links import compile_with_links
 
 PyTree = Any
@@ -134,4 +134,4 @@ def compile_for_batch(program, batch: dict, compiler_options: dict | None = None
     batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), batch)
     options = program.compiler_options if compiler_options is None else compiler_options
     lowered = program.train_step.lower(program.abstract_state(), batch)
-    return compile_with_links(lowered, options, program.mesh.shape[LOCAL], program.links)
+    return compile_with_links(lowered, options, devices_per_node(program.mesh), program.links)

@@ -18,13 +18,14 @@ from zpp_jax.overlap.hlo import collectives_in_hlo, scheduling_names
 from zpp_jax.overlap.options import LinkModel
 
 
-def collective_latencies_us(hlo_text: str, local: int, links: LinkModel) -> dict[str, float]:
+def collective_latencies_us(hlo_text: str, per_node: int, links: LinkModel) -> dict[str, float]:
     """The microseconds `links` gives each asynchronous collective of
-    `hlo_text` (a program compiled for a mesh with `local` devices per
-    node), by the name XLA's scheduler knows it by."""
+    `hlo_text` (a program compiled for a mesh with `per_node` devices a
+    node, `zpp_jax.mesh.devices_per_node`: local x model), by the name
+    XLA's scheduler knows it by."""
     names = scheduling_names(hlo_text)
     return {
-        names.get(c.name, c.name): links.cost_us(c.moved_bytes, c.spans_nodes(local))
+        names.get(c.name, c.name): links.cost_us(c.moved_bytes, c.spans_nodes(per_node))
         for c in collectives_in_hlo(hlo_text)
     }
 
@@ -34,21 +35,21 @@ def collective_latencies_us(hlo_text: str, local: int, links: LinkModel) -> dict
 NIC, NVLINK = "nic", "nvlink"
 
 
-def collective_links(hlo_text: str, local: int) -> dict[str, str]:
+def collective_links(hlo_text: str, per_node: int) -> dict[str, str]:
     """The link (`NIC` or `NVLINK`) each asynchronous collective of
     `hlo_text` crosses, by the names `collective_latencies_us` uses."""
     names = scheduling_names(hlo_text)
     return {
-        names.get(c.name, c.name): NIC if c.spans_nodes(local) else NVLINK
+        names.get(c.name, c.name): NIC if c.spans_nodes(per_node) else NVLINK
         for c in collectives_in_hlo(hlo_text)
     }
 
 
-def collective_costs(hlo_text: str, local: int, links: LinkModel) -> str:
+def collective_costs(hlo_text: str, per_node: int, links: LinkModel) -> str:
     """A latency profile (XLA's ``ProfiledInstructionsProto``, text format)
     pricing each asynchronous collective of `hlo_text` as
     `collective_latencies_us` does; nothing else is priced."""
-    latencies = collective_latencies_us(hlo_text, local, links)
+    latencies = collective_latencies_us(hlo_text, per_node, links)
     lines = [f'costs {{ name: "{name}" cost_us: {us:.3f} }}' for name, us in latencies.items()]
     return "\n".join(lines) + "\n"
 
@@ -57,7 +58,7 @@ def collective_costs(hlo_text: str, local: int, links: LinkModel) -> str:
 _PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
 
 
-def compile_with_links(lowered, options: dict, local: int, links: LinkModel | None):
+def compile_with_links(lowered, options: dict, per_node: int, links: LinkModel | None):
     """`lowered` compiled with `options`; on a GPU, with `links`, twice: once
     to learn the program's collectives, and once scheduled with their costs
     (`collective_costs`). Both compiles see the same program, so the second
@@ -65,7 +66,7 @@ def compile_with_links(lowered, options: dict, local: int, links: LinkModel | No
     first = lowered.compile(compiler_options=options or None)
     if links is None or not options.get("xla_gpu_enable_latency_hiding_scheduler"):
         return first
-    profile = collective_costs(first.as_text(), local, links)
+    profile = collective_costs(first.as_text(), per_node, links)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "links.pbtxt")
         with open(path, "w") as f:
