@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from zpp_jax._compat import bind_axis_name, sharding_constraints_routed
 from zpp_jax.errors import UsageError
-from zpp_jax.mesh import AXES, MODEL
+from zpp_jax.mesh import AXES, MODEL, model_size
 
 
 def check_batch_axis_name(name: str | None) -> None:
@@ -87,7 +87,7 @@ def constraints_on_device(info) -> Iterator[None]:
       UsageError: a constraint names an axis `axes` does not reach, or is
         not a PartitionSpec or NamedSharding."""
     unit, axes = info.name, dict(info.constraint_axes)
-    tensor_parallel = MODEL in info.mesh.shape and info.mesh.shape[MODEL] > 1
+    tensor_parallel = model_size(info.mesh) > 1
 
     def route(x, shardings, original):
         specs = jax.tree.map(

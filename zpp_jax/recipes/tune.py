@@ -337,11 +337,16 @@ def within_error(error: float | None, max_grad_error: float | None) -> bool:
     return max_grad_error is None or error is None or error <= max_grad_error
 
 
+def measured_rows(rows: list[dict]) -> list[dict]:
+    """The rows with a measured step that fits in a device's memory."""
+    return [r for r in rows if r.get("step_s") is not None and r.get("fits", True)]
+
+
 def choose(rows: list[dict], max_grad_error: float | None) -> dict:
     """The fastest measured row whose gradient error is `within_error`
     `max_grad_error`; among those timed again side by side
     (``confirmed``), if any were."""
-    measured = [r for r in rows if r.get("step_s") is not None and r.get("fits", True)]
+    measured = measured_rows(rows)
     if any(r.get("confirmed") for r in measured):
         measured = [r for r in measured if r.get("confirmed")]
     if not measured:

@@ -28,6 +28,7 @@ from zpp_jax.recipes.tune import (
     candidates,
     choose,
     link_bound_s,
+    measured_rows,
     numerics_key,
     refinements,
     within_error,
@@ -230,7 +231,7 @@ class Tuner:
         """The fastest step so far whose gradient error is within
         ``--max-grad-error``: what a candidate must beat."""
         bound = self.cfg.max_grad_error
-        measured = [r for r in self.rows if r.get("step_s") is not None and r.get("fits", True)]
+        measured = measured_rows(self.rows)
         eligible = [r["step_s"] for r in measured if within_error(r.get("grad_error"), bound)]
         return min(eligible, default=float("inf"))
 
