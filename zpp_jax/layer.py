@@ -229,7 +229,9 @@ class ShardedLayer:
         (`ModelSplit.gather`)."""
         if self.model_split is None:
             return self._gather_rank(source, token)
-        return self.model_split.gather(self._gather_rank, source, self.layout, self.config.hpz)
+        return self.model_split.gather(
+            self._gather_rank, source, self.layout, self.config.hpz, token
+        )
 
     def _gather_rank(self, source, token=None):
         """The full parameters (a pytree) and the hpZ secondary (or None).
@@ -291,15 +293,14 @@ class ShardedLayer:
         return mine, self._frozen.decode(frozen, swapped)
 
     def _reduce(self, grads, residual):
-        """`_reduce_rank`, or with tensor parallelism per model rank
-        (`ModelSplit.reduce`: no residual, and no qgZ marker, which only a
-        relay token would wait for)."""
+        """`_reduce_rank`, and a (1,) marker that exists once the reduction
+        has finished; with tensor parallelism per model rank
+        (`ModelSplit.reduce`: no residual, and markers each rank reads its
+        own of)."""
         if self.model_split is None:
-            return self._reduce_rank(grads, residual)
-        reduce = self.model_split.reduce(
-            lambda g: self._reduce_rank(g, None)[0], grads, self.layout
-        )
-        return reduce, None, None
+            shard, new_residual, node_step = self._reduce_rank(grads, residual)
+            return shard, new_residual, node_step, shard[:1]
+        return self.model_split.reduce(lambda g: self._reduce_rank(g, None), grads, self.layout)
 
     def _reduce_rank(self, grads, residual):
         """The layer's weight gradient (a pytree) -> this device's shard of
@@ -383,8 +384,8 @@ def _build(layer: ShardedLayer):
         g_params, g_x = vjp(g)
         if layer._frozen is not None:
             return _frozen_bwd(layer, g_params[0], g_x, residual, g_token, first, kept, g)
-        shard_grad, new_residual, node_step = layer._reduce(g_params, residual)
-        g_x, g_token = order.released(g_x, shard_grad, node_step, g_token, first, kept, g)
+        shard_grad, new_residual, node_step, done = layer._reduce(g_params, residual)
+        g_x, g_token = order.released(g_x, done, node_step, g_token, first, kept, g)
         return shard_grad, new_residual, g_x, g_token
 
     apply.defvjp(fwd, bwd, symbolic_zeros=True)
@@ -396,10 +397,10 @@ def _frozen_bwd(layer: ShardedLayer, g_params, g_x, residual, g_token, first, ke
     trainable parameters' gradient reduced (if there are any), and no
     cotangent (float0 zeros) for the frozen weights' stored codes."""
     shard_grad = new_residual = node_step = None
+    done = jnp.zeros((1,), jnp.float32)
     if layer.layout is not None:
-        shard_grad, new_residual, node_step = layer._reduce(g_params, residual)
-    marker = jnp.zeros((1,), jnp.float32) if shard_grad is None else shard_grad
-    g_x, g_token = layer._order.released(g_x, marker, node_step, g_token, first, kept, g)
+        shard_grad, new_residual, node_step, done = layer._reduce(g_params, residual)
+    g_x, g_token = layer._order.released(g_x, done, node_step, g_token, first, kept, g)
     stored = np.zeros(layer._frozen_stored_shape, jax.dtypes.float0)
     return (shard_grad, stored), new_residual, g_x, g_token
 

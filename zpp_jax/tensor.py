@@ -31,6 +31,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.mesh import MODEL
+from zpp_jax.overlap import relay
 
 PyTree = Any
 
@@ -71,18 +72,21 @@ class ModelSplit:
             f, in_specs=in_specs, out_specs=out_specs, axis_names={MODEL}, check_vma=False
         )
 
-    def gather(self, gather_rank: Callable, shard: jax.Array, layout, hpz: bool):
-        """``gather_rank(shard) -> (params, secondary)`` on each rank's
-        vector of the (t x s,) `shard`: the full parameters, split along
-        `model` as their names say, and hpZ's secondary `STACKED` (or
-        None). Each rank's collectives move its own s elements."""
+    def gather(self, gather_rank: Callable, shard: jax.Array, layout, hpz: bool, token=None):
+        """``gather_rank(shard, token) -> (params, secondary)`` on each
+        rank's vector of the (t x s,) `shard`: the full parameters, split
+        along `model` as their names say, and hpZ's secondary `STACKED` (or
+        None). Each rank's collectives move its own s elements. `token`:
+        the relay token (or None), the same on every rank, so that each
+        rank's gathers wait on its own copy."""
 
-        def rank(part):
-            params, secondary = gather_rank(part)
+        def rank(part, token):
+            params, secondary = gather_rank(part, token)
             return (params,) if secondary is None else (params, jax.tree.map(_lead, secondary))
 
         specs = self.leaf_specs(layout.treedef)
-        gathered = self.per_rank(rank, (STACKED,), (specs, STACKED) if hpz else (specs,))(shard)
+        out_specs = (specs, STACKED) if hpz else (specs,)
+        gathered = self.per_rank(rank, (STACKED, P()), out_specs)(shard, token)
         return gathered[0], (gathered[1] if hpz else None)
 
     def assemble(self, assemble: Callable, secondary, layout):
@@ -91,12 +95,21 @@ class ModelSplit:
         specs = self.leaf_specs(layout.treedef)
         return self.per_rank(lambda s: assemble(_unstacked(s)), (STACKED,), specs)(secondary)
 
-    def reduce(self, reduce_rank: Callable, grads, layout) -> jax.Array:
-        """``reduce_rank(rank's gradient) -> its shard``, on each rank's
-        slice of the gradient `grads`: the (t x s,) reduced shards, each
-        rank's over the data axes."""
+    def reduce(self, reduce_rank: Callable, grads, layout) -> tuple:
+        """``reduce_rank(rank's gradient) -> (its shard, residual, qgZ's
+        marker or None)``, on each rank's slice of the gradient `grads`:
+        (the (t x s,) reduced shards, each rank's over the data axes, no
+        residual, qgZ's marker, the reduction's marker). The markers are
+        zeros that exist once a step of a rank's reduction has finished,
+        the same on every rank, so that each rank's ties read its own."""
+
+        def rank(g):
+            shard, _, node_step = reduce_rank(g)
+            return shard, (relay.done_marker(shard), node_step)
+
         specs = self.leaf_specs(layout.treedef)
-        return self.per_rank(reduce_rank, (specs,), STACKED)(grads)
+        shards, (done, node_step) = self.per_rank(rank, (specs,), (STACKED, P()))(grads)
+        return shards, None, node_step, done
 
 
 def model_split(degree: int, stored: tuple, params, split) -> ModelSplit | None:

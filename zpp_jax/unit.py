@@ -213,12 +213,12 @@ def run_unit(
     relayed = (call.layout is not None and any(np.ndim(v) >= 2 for _, v, _, _ in params)) or any(
         len(s.shape) >= 2 for s in info.frozen
     )
-    # With a `model` axis the call is manual over the data axes only, XLA
-    # partitions its code along `model` (`zpp_jax.tensor`), and no relay
-    # chain orders it (yet): XLA schedules its collectives freely.
+    # With a `model` axis the call is manual over the data axes only and XLA
+    # partitions its code along `model` (`zpp_jax.tensor`); the token is
+    # each data device's, the same on its model ranks.
     tensor_parallel = model_size(info.mesh) > 1
     chains = current_chains() if prefetch and relayed and not eager else None
-    token = None if chains is None or tensor_parallel else chains.take(info.mesh)
+    token = None if chains is None else chains.take(info.mesh, data_size(info.mesh))
     manual = {"axis_names": set(AXES)} if tensor_parallel else {}
     mapped = jax.shard_map(
         call.local(run, prefetch),

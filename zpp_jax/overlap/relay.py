@@ -55,7 +55,7 @@ def after(tree, *deps, apart: bool = False):
     gradient reduction, say, which the relay runs behind the next layer's
     compute. The ties that order a unit's collectives against its
     neighbours' work use it."""
-    firsts = [jnp.ravel(x)[0].astype(jnp.float32) for x in floats(deps)]
+    firsts = [_first(x).astype(jnp.float32) for x in floats(deps)]
     if not firsts:
         return tree
     if apart:
@@ -66,6 +66,13 @@ def after(tree, *deps, apart: bool = False):
         return x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.number) else x
 
     return jax.tree.map(tie, tree)
+
+
+def _first(x: jax.Array) -> jax.Array:
+    """`x`'s first element, sliced in place: flattening an array that XLA
+    splits along an axis it partitions (`model`, under tensor parallelism)
+    would first gather all of it onto every device."""
+    return lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).reshape(())
 
 
 def floats(tree) -> list:
@@ -139,9 +146,11 @@ class LayerOrder:
         saved, g = lax.optimization_barrier((saved, g))
         return after(saved, g), g
 
-    def released(self, g_x, shard_grad, node_step, g_token, first: bool, kept, g):
+    def released(self, g_x, reduced, node_step, g_token, first: bool, kept, g):
         """(The input cotangent, the token's cotangent) a relayed layer
         returns once its gradient is reduced; `g_x` as it is otherwise.
+        `reduced`: an array that exists once the reduction has finished (its
+        first element is read).
 
         The input cotangent leaves only once what the later layer asked for
         has finished (`g_token[1]`), so that work ran behind this layer's
@@ -164,7 +173,7 @@ class LayerOrder:
         if g_token is None:
             return g_x, None
         g_x = after(g_x, g_token[1:2], apart=True)
-        done = after(shard_grad[:1], g_token[2:3], apart=True)
+        done = after(reduced[:1], g_token[2:3], apart=True)
         if node_step is None:
             wait, hand_on = done, ZERO
         else:
@@ -217,13 +226,14 @@ class RelayChains:
     def __init__(self) -> None:
         self._last: dict[Mesh, tuple[Any, jax.Array]] = {}
 
-    def take(self, mesh: Mesh) -> jax.Array:
+    def take(self, mesh: Mesh, devices: int) -> jax.Array:
         """The token the last unit called on `mesh` in this trace handed
-        on, or a fresh one."""
+        on, or a fresh one for `devices` devices (a unit's data-parallel
+        devices: its model ranks share theirs)."""
         entry = self._last.pop(mesh, None)
         if entry is not None and entry[0] == _trace():
             return entry[1]
-        return relay_start(TOKEN_SIZE * mesh.devices.size)
+        return relay_start(TOKEN_SIZE * devices)
 
     def put(self, mesh: Mesh, token: jax.Array) -> None:
         """Hand `token` (what a unit returned) to the next unit."""
