@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 import zpp_jax as zpp
 from zpp_jax import hf
@@ -82,6 +82,18 @@ def test_examples_weigh_the_completion_tokens_only():
     assert float(cross_entropy(logits, targets, weights)) == pytest.approx(want, rel=1e-6)
 
 
+def test_empty_completions_learn_their_eos_and_have_no_bits_per_byte():
+    """An empty completion still learns its EOS; its learned tokens hold no
+    bytes, so the run reports no bits per byte (not a division by 0)."""
+    records = [{"prompt": "ab", "completion": ""}] * 2
+    (ids, learned), _ = encode_records(records, ByteTokenizer(), 300)  # EOS: no bytes
+    np.testing.assert_array_equal(learned, [0, 0, 1])
+    data = ExampleDataset([(ids, learned)], [(ids, learned)], seq_len=6)
+    per_token = run_corpus.bytes_per_token(data, ByteTokenizer())
+    assert per_token == 0 and run_corpus.bits_per_byte(2.0, per_token) is None
+    assert run_corpus.bits_per_byte(2.0, 0.5) == pytest.approx(4 / np.log(2))
+
+
 def jax_log_softmax(x):
     import jax
 
@@ -152,6 +164,17 @@ def _check_export(tmp_path, data, metrics, capfd):
     base = ["--base", str(tmp_path / "ckpt")]
     assert main(["export", "--ckpt-dir", run, "--hf", str(out), *base]) == 2
     assert "this run trained every weight: drop --base" in capfd.readouterr().err
+    (tmp_path / "a-file").write_text("mine")
+    for flags, message in (
+        (["--hf", str(out), "--merge-onto", "codes"], "trained every weight: drop --merge-onto"),
+        (["--hf", str(tmp_path / "ckpt"), "--overwrite"], "is the run's --init, which --over"),
+        (["--hf", run, "--overwrite"], "is the run's --ckpt-dir, which --overwrite does not"),
+        (["--hf", str(tmp_path / "a-file")], "is a file: name the directory to write"),
+    ):
+        assert main(["export", "--ckpt-dir", run, *flags]) == 2
+        err = capfd.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert (tmp_path / "a-file").read_text() == "mine" and not out.exists()
     assert main(["export", "--ckpt-dir", run, "--hf", str(out), "--dtype", "float32"]) == 0
     last = json.loads(metrics.read_text().splitlines()[-1])
     model = hf.load(out, seq_len=24)
@@ -405,6 +428,14 @@ def test_lora_and_export_mistakes_are_one_line_each(tmp_path, capfd):
         add_lora(Llama(LlamaConfig(), nnx.Rngs(0)), 4, targets=[])
     with pytest.raises(UsageError, match="freeze=42 is not an NNX filter"):
         zpp.shard(Llama(LlamaConfig(), nnx.Rngs(0)), zpp.make_mesh(2, 4), freeze=42)
+    with pytest.raises(UsageError, match="is not an NNX filter: .* a predicate \\(path, var"):
+        zpp.shard(Llama(LlamaConfig(), nnx.Rngs(0)), zpp.make_mesh(2, 4), freeze=lambda p: True)
+    adapted = add_lora(Llama(LlamaConfig(), nnx.Rngs(0)), 4)
+    with pytest.raises(UsageError, match="Llama has LoRA adapters already .add_lora ran on it"):
+        add_lora(adapted, 4)
+    with pytest.raises(UsageError, match="save zpp_jax.lora.merge_lora.model."):
+        hf.save(adapted, tmp_path / "adapted")
+    assert not (tmp_path / "adapted").exists()
 
 
 def _damaged_inputs(tmp_path, ckpt, data, base):
@@ -441,6 +472,26 @@ def _damaged_inputs(tmp_path, ckpt, data, base):
             "rms_norm_eps must be a positive number, got nan",
         )
     )
+
+    def weights(change):
+        def rewrite(d):
+            tensors = load_file(d / "model.safetensors")
+            name = "model.layers.0.self_attn.q_proj.weight"
+            tensors[name] = change(tensors[name])
+            save_file(tensors, d / "model.safetensors")
+
+        return rewrite
+
+    quantized = copy("int", weights(lambda w: w.astype(np.int8)))
+    out.append((quantized, "q_proj.weight is stored as I8; zpp_jax.hf reads floating-point"))
+    nan = copy("nan-weight", weights(lambda w: w * np.nan))
+    out.append((nan, "q_proj.weight holds NaN or infinite values: the checkpoint is damaged"))
+    generation = copy("gen", lambda d: (d / "generation_config.json").write_text("{oops"))
+    out.append((generation, "generation_config.json is not JSON (Expecting property name"))
+    array = tmp_path / "records.json"
+    array.write_text(json.dumps(_records()))
+    json_data = ["train", "--init", str(ckpt), "--data", str(array)]
+    out.append((json_data, "records.json: a .json file; fine-tuning examples are JSON Lines"))
     latin = tmp_path / "latin1.jsonl"
     latin.write_bytes('{"text": "caf\u00e9"}\n'.encode("latin-1"))
     out.append(

@@ -6,6 +6,7 @@ whether an output can be written, before any work."""
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import pathlib
@@ -207,3 +208,15 @@ def check_creatable(what: str, directory: pathlib.Path) -> None:
         raise UsageError(f"{what}: {p} is a file, not a directory")
     if not os.access(p, os.W_OK):
         raise UsageError(f"{what}: {p} is not writable")
+
+
+def read_json_object(file: pathlib.Path) -> dict:
+    """The JSON object in `file`; a UsageError naming the file when it is
+    not UTF-8 JSON or holds something other than an object."""
+    try:
+        data = json.loads(pathlib.Path(file).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{file} is not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{file} holds {type(data).__name__}, not a JSON object")
+    return data

@@ -40,6 +40,7 @@ gradients skip them. `zpp_jax.sharded.frozen_values` decodes them back
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import jax
@@ -205,3 +206,22 @@ def call_operands(items) -> tuple:
         if isinstance(v, FrozenParam) and v.get_value() is not None
     ]
     return (stored[0] if stored else None), whole
+
+
+def freeze_predicate(freeze):
+    """`freeze` as a predicate of (path, variable) (None: nothing frozen);
+    UsageError unless it is an NNX filter, a callable one taking those two
+    arguments."""
+    if freeze is None:
+        return None
+    message = (
+        f"freeze={freeze!r} is not an NNX filter: pass a Variable type (nnx.Param), a path or "
+        "name, a predicate (path, variable) -> bool, or zpp_jax.lora.FROZEN"
+    )
+    try:
+        predicate = nnx.filterlib.to_predicate(freeze)
+        if predicate is freeze:  # the user's own callable
+            inspect.signature(freeze).bind((), None)
+    except (TypeError, ValueError):
+        raise UsageError(message) from None
+    return predicate

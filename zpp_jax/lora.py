@@ -61,13 +61,18 @@ def add_lora(
     `a` is drawn from `seed`, `b` is zero.
 
     Raises:
-      UsageError: a rank that is not a positive int or is more than a
-        layer's features, targets that are not a sequence of names, or a
-        target that names no linear layer (the error lists the names there
-        are).
+      UsageError: a model with adapters already, a rank that is not a
+        positive int or is more than a layer's features, targets that are
+        not a sequence of names, or a target that names no linear layer
+        (the error lists the names there are).
     """
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise UsageError(f"LoRA rank {rank!r}: use a positive number of dimensions, such as 8")
+    if any(isinstance(m, nnx.LoRA) for _, m in nnx.iter_modules(model)):
+        raise UsageError(
+            f"{type(model).__name__} has LoRA adapters already (add_lora ran on it): train "
+            "them as they are, or add new ones to merge_lora(model)"
+        )
     if isinstance(targets, str) or not all(isinstance(t, str) for t in targets):
         raise UsageError(
             f"LoRA targets {targets!r}: pass a sequence of attribute names, such as "

@@ -51,7 +51,13 @@ from jax.sharding import Mesh
 
 from zpp_jax.config import ZeroPPConfig, check_block_sizes
 from zpp_jax.errors import UsageError, check_compute_dtype, check_policy
-from zpp_jax.frozen import FrozenParam, FrozenWeights, call_operands, freeze_unit
+from zpp_jax.frozen import (
+    FrozenParam,
+    FrozenWeights,
+    call_operands,
+    freeze_predicate,
+    freeze_unit,
+)
 from zpp_jax.mesh import AXES, mesh_shape, on_mesh
 from zpp_jax.metadata import (
     SHARD_ALONG,
@@ -287,7 +293,7 @@ def shard(
     check_batch_axis_name(batch_axis_name)
     _check_model(model, mesh, config)
     dtype = check_compute_dtype(compute_dtype)
-    units, frozen = _select(model, policy), _freeze_predicate(freeze)
+    units, frozen = _select(model, policy), freeze_predicate(freeze)
     rules = rules if rules is not None else nn.get_logical_axis_rules()
     along = check_shard_along(shard_along)
     plan = _Plan(mesh, config, dtype, outputs, frozen, batch_axis_name, rules, along)
@@ -298,20 +304,6 @@ def shard(
     # The rest whole on every device: a jitted step then takes it with the
     # sharding it returns it with, and compiles once.
     return on_mesh(model, mesh)
-
-
-def _freeze_predicate(freeze):
-    """`freeze` as a predicate (None: nothing frozen); UsageError unless it
-    is an NNX filter."""
-    if freeze is None:
-        return None
-    try:
-        return nnx.filterlib.to_predicate(freeze)
-    except (TypeError, ValueError):
-        raise UsageError(
-            f"freeze={freeze!r} is not an NNX filter: pass a Variable type (nnx.Param), a "
-            "path or name, a predicate (path, variable) -> bool, or zpp_jax.lora.FROZEN"
-        ) from None
 
 
 def _check_model(model, mesh: Mesh, config: ZeroPPConfig) -> None:

@@ -497,7 +497,6 @@ def _export_parser(sub) -> None:
     export.add_argument(
         "--merge-onto",
         choices=("base", "codes"),
-        default="base",
         help="a LoRA run's adapters are merged onto the base checkpoint's own kernels (base, "
         "the default: as a merge onto an unquantized base gives them) or onto the codes the "
         "run computed with (codes: exactly the trained model)",

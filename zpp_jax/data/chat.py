@@ -22,7 +22,7 @@ import functools
 import json
 import pathlib
 
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import UsageError, read_json_object
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -121,7 +121,7 @@ def load_chat_template(directory: str | pathlib.Path) -> ChatTemplate | None:
     None when it has neither."""
     directory = pathlib.Path(directory)
     config_file = directory / TOKENIZER_CONFIG
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config = read_json_object(config_file) if config_file.is_file() else {}
     tokens = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
     if (directory / TEMPLATE_FILE).is_file():
         where = str(directory / TEMPLATE_FILE)

@@ -98,7 +98,17 @@ class Source:
 
     def _read_one(self, reader: TensorReader, name: str, index: tuple[slice, ...]) -> np.ndarray:
         value = reader.read(name, tuple(index[::-1] if self.transposed else index))
-        return np.asarray(value.T if self.transposed else value, np.float32)
+        value = np.asarray(value.T if self.transposed else value, np.float32)
+        if not np.isfinite(value).all():
+            raise UsageError(
+                f"tensor {name} holds NaN or infinite values: the checkpoint is damaged "
+                "(download it again)"
+            )
+        return value
+
+
+# The dtypes a checkpoint's weights may be stored in (safetensors' names).
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 def sources(cfg: LlamaConfig) -> dict[tuple, Source]:
@@ -137,9 +147,10 @@ def load(
     Raises:
       UsageError: a missing file, a shard the index names that is missing,
         a tensor missing or of a shape its config.json does not imply, a
-        tensor the model has no place for, a config `read_config` refuses,
-        or `config` without `mesh`. All are checked before any tensor is
-        read.
+        tensor the model has no place for, a tensor stored in a dtype that
+        is not floating point, a config `read_config` refuses, or `config`
+        without `mesh`: all checked before any tensor is read. A tensor
+        holding NaN or infinite values, found as it is read.
     """
     directory = pathlib.Path(path)
     if config is not None and mesh is None:
@@ -191,6 +202,12 @@ def _check_tensors(directory, files, plan, flat, reader: TensorReader) -> None:
             if got != want:
                 raise UsageError(
                     f"{directory}: tensor {name} has shape {got}, but config.json implies {want}"
+                )
+            if reader.dtype(name) not in _FLOAT_DTYPES:
+                raise UsageError(
+                    f"{directory}: tensor {name} is stored as {reader.dtype(name)}; zpp_jax.hf "
+                    f"reads floating-point weights ({', '.join(_FLOAT_DTYPES)}), not a "
+                    "quantized checkpoint's: load the unquantized one"
                 )
 
 
@@ -276,10 +293,16 @@ def save(
 
     Raises:
       UsageError: `path` holds files already (pass ``overwrite=True`` to
-        replace them), is a file or cannot be written, or an unknown `dtype`.
+        replace them), is a file or cannot be written, an unknown `dtype`,
+        or a model with LoRA adapters (merge them first).
     """
     if dtype not in DTYPES:
         raise UsageError(f"dtype {dtype!r}: choose one of {sorted(DTYPES)}")
+    if any(isinstance(m, nnx.LoRA) for _, m in nnx.iter_modules(model)):
+        raise UsageError(
+            "the model has LoRA adapters, which a checkpoint has no place for: save "
+            "zpp_jax.lora.merge_lora(model), whose kernels hold them"
+        )
     directory = pathlib.Path(path)
     check_creatable("hf.save", directory)
     if directory.exists() and any(directory.iterdir()) and not overwrite:

@@ -13,11 +13,10 @@ supported. Nothing but the JSON is read; no JAX.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import UsageError, read_json_object
 
 # architecture -> (model_type, default rms_norm_eps, q/k/v biases)
 FAMILIES = {
@@ -81,11 +80,7 @@ def read_config(path: str | pathlib.Path) -> CheckpointConfig:
         )
     if not file.is_file():
         raise UsageError(f"{file} does not exist: a Hugging Face checkpoint has a config.json")
-    try:
-        data = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{file} is not JSON ({e})") from None
-    return parse_config(data, str(file))
+    return parse_config(read_json_object(file), str(file))
 
 
 def parse_config(data: dict, source: str = "config.json") -> CheckpointConfig:

@@ -117,6 +117,11 @@ class TensorReader:
         """The shape `name` is stored with (reads the header only)."""
         return tuple(self._handle(name).get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype `name` is stored in ("F32", "BF16", "I8",
+        ...; reads the header only)."""
+        return str(self._handle(name).get_slice(name).get_dtype())
+
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         """`name`'s elements at `index` (a tuple of slices; None: all). Only
         the slice is copied out of the file."""

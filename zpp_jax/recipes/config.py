@@ -88,7 +88,7 @@ class RunConfig:
         "train on this instead of the Python standard library's source: a text file, a "
         "directory or glob of text files, token files (.bin uint16, .npy uint16/uint32), or "
         'fine-tuning examples (.jsonl: {"prompt", "completion"}, the loss on the completion '
-        'only, or {"text"})',
+        'only; {"messages"}, conversations, the loss on the assistant turns; or {"text"})',
     )
     val_data: str | None = option(None, "validation data (default: the last 5% of --data)")
     tokenizer: str = option(

@@ -84,7 +84,16 @@ def load(cfg, warn=print) -> Corpus:
 
 
 def _is_jsonl(files: list[pathlib.Path]) -> bool:
-    """Fine-tuning examples: every file .jsonl (a mix is refused)."""
+    """Fine-tuning examples: every file .jsonl (a mix is refused). A .json
+    file is refused: read as text, a dataset saved as one JSON array would
+    be trained on as characters."""
+    json_file = next((f for f in files if f.suffix == ".json"), None)
+    if json_file is not None:
+        raise UsageError(
+            f"--data {json_file}: a .json file; fine-tuning examples are JSON Lines, one "
+            "record per line in a .jsonl file (a JSON array of records: write each on a line "
+            "of its own); text to train on as it is: rename it"
+        )
     kinds = {f.suffix == ".jsonl" for f in files}
     if len(kinds) > 1:
         raise UsageError("--data mixes .jsonl fine-tuning examples with other files: pass one kind")
@@ -194,8 +203,10 @@ def bytes_per_token(data: TokenDataset | ExampleDataset, tokenizer: Tokenizer) -
     return data.bytes_per_token("val", tokenizer.token_bytes)
 
 
-def bits_per_byte(loss: float, per_token: float) -> float:
-    return loss / math.log(2) / per_token
+def bits_per_byte(loss: float, per_token: float) -> float | None:
+    """The loss in bits per byte; None where the learned tokens hold no
+    bytes (examples whose completions are empty learn only their EOS)."""
+    return loss / math.log(2) / per_token if per_token > 0 else None
 
 
 def save_tokenizer(cfg, tokenizer: Tokenizer) -> None:

@@ -165,7 +165,7 @@ def export_hf(
     step: int | None = None,
     dtype: str = "bfloat16",
     overwrite: bool = False,
-    merge_onto: str = "base",
+    merge_onto: str | None = None,
     base: str | pathlib.Path | None = None,
 ) -> list[pathlib.Path]:
     """Write checkpoint `step` (default: the newest) of the run in
@@ -174,7 +174,7 @@ def export_hf(
     the initial checkpoint's other files (`COMPANION_FILES`: its chat
     template, special tokens, generation defaults). A LoRA run's adapters
     are merged into their kernels, ``kernel + scale * a @ b`` in fp32: with
-    `merge_onto` "base", the kernels of the checkpoint the run started
+    `merge_onto` "base" (the default), the kernels of the checkpoint the run started
     from (`base`, default where the run read it), so that a merge gives
     the base's own weights plus the update, as onto an unquantized base;
     with "codes", the kernels the run computed with (decoded from their
@@ -183,10 +183,12 @@ def export_hf(
     "base" the base checkpoint once more.
 
     Raises:
-      UsageError: `out` not empty (without `overwrite`), no checkpoint, a
-        run with no config.json (a GPT), a token-pipeline run, with "base" a
-        base checkpoint that is gone or is not the run's, or a `base` given
-        with "codes" or for a run that trained every weight.
+      UsageError: `out` not empty (without `overwrite`), a file, the run's
+        own directory or the checkpoint it started from (with `overwrite`
+        too), no checkpoint, a run with no config.json (a GPT), a
+        token-pipeline run, with "base" a base checkpoint that is gone or is
+        not the run's, or a `base` given with "codes", or `base` or
+        `merge_onto` for a run that trained every weight.
     """
     import jax
 
@@ -194,7 +196,7 @@ def export_hf(
 
     ckpt_dir, out = pathlib.Path(ckpt_dir), pathlib.Path(out)
     _check_export(ckpt_dir, out, dtype, overwrite)
-    if merge_onto not in ("base", "codes"):
+    if merge_onto not in (None, "base", "codes"):
         raise UsageError(f"--merge-onto {merge_onto!r}: choose base or codes")
     if base is not None and merge_onto == "codes":
         raise UsageError(
@@ -202,17 +204,18 @@ def export_hf(
             "none: drop one"
         )
     model, cfg, step = restore_run_model(ckpt_dir, step)
-    if base is not None and cfg.lora is None:
+    given = "--base" if base is not None else "--merge-onto" if merge_onto else None
+    if given and cfg.lora is None:
         raise UsageError(
-            "--base is the checkpoint a LoRA run's adapters merge onto, and this run trained "
-            "every weight: drop --base"
+            f"{given} says how a LoRA run's adapters are merged, and this run trained every "
+            f"weight: drop {given}"
         )
     if cfg.lora is not None:
         from zpp_jax.lora import merge_lora
         from zpp_jax.sharded import unshard
 
         model = unshard(model)
-        if merge_onto == "base":
+        if merge_onto in (None, "base"):
             _onto_base_kernels(model, _base_directory(ckpt_dir, step, base))
         model = merge_lora(model)
     extra = _kept_config(ckpt_dir / CONFIG_FILE, dtype)
@@ -230,22 +233,18 @@ def _base_directory(ckpt_dir: pathlib.Path, step: int, base) -> pathlib.Path:
     checked to be that checkpoint (its fingerprint)."""
     from zpp_jax.checkpoint import Checkpointer
     from zpp_jax.hf.files import fingerprint
-    from zpp_jax.recipes.runs import BASE_FILE
 
     if base is not None and not (pathlib.Path(base) / CONFIG_FILE).is_file():
         raise UsageError(
             f"--base {base} is not a Hugging Face checkpoint's directory (no config.json there): "
             "pass the directory of the checkpoint the run started from"
         )
+    base = _saved_base(ckpt_dir) if base is None else pathlib.Path(base)
     if base is None:
-        saved = ckpt_dir / BASE_FILE
-        if not saved.is_file():
-            raise UsageError(
-                f"--ckpt-dir {ckpt_dir} does not say where its base checkpoint is: pass --base "
-                "DIR, or --merge-onto codes"
-            )
-        base = json.loads(saved.read_text())["init"]
-    base = pathlib.Path(base)
+        raise UsageError(
+            f"--ckpt-dir {ckpt_dir} does not say where its base checkpoint is: pass --base "
+            "DIR, or --merge-onto codes"
+        )
     if not (base / CONFIG_FILE).is_file():
         raise UsageError(
             f"the run's base checkpoint {base} is gone: pass --base DIR where it is now, or "
@@ -280,7 +279,16 @@ def _check_export(ckpt_dir: pathlib.Path, out: pathlib.Path, dtype: str, overwri
     if dtype not in DTYPES:
         raise UsageError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}")
     check_run_directory(ckpt_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--hf {out} is a file: name the directory to write")
+    kept = ((ckpt_dir, "the run's --ckpt-dir"), (_saved_base(ckpt_dir), "the run's --init"))
+    for directory, what in kept:
+        if directory is not None and out.resolve() == directory.resolve():
+            raise UsageError(
+                f"--hf {out} is {what}, which --overwrite does not replace: write the export "
+                "into another directory"
+            )
+    if out.exists() and any(out.iterdir()) and not overwrite:
         raise UsageError(
             f"--hf {out} is not empty: write into a new directory, or pass --overwrite"
         )
@@ -289,6 +297,15 @@ def _check_export(ckpt_dir: pathlib.Path, out: pathlib.Path, dtype: str, overwri
             f"--ckpt-dir {ckpt_dir} has no {CONFIG_FILE}: zpp export --hf writes Llama-family "
             "models, which runs with --init or --arch llama keep there (a GPT has none)"
         )
+
+
+def _saved_base(ckpt_dir: pathlib.Path) -> pathlib.Path | None:
+    """Where the run read its --init checkpoint (None: it started from
+    none, or does not say)."""
+    from zpp_jax.recipes.runs import BASE_FILE
+
+    saved = ckpt_dir / BASE_FILE
+    return pathlib.Path(json.loads(saved.read_text())["init"]) if saved.is_file() else None
 
 
 def _kept_config(config_file: pathlib.Path, dtype: str) -> dict:

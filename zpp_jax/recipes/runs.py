@@ -47,6 +47,7 @@ from zpp_jax.errors import (
     check_stream,
     check_writable_file,
     is_stream,
+    read_json_object,
 )
 
 # RunConfig fields that do not change what is trained: where output goes,
@@ -163,6 +164,11 @@ def check_init(init: str) -> None:
             f"--init {init} has no tokenizer.json: copy the checkpoint's tokenizer.json there "
             "(a run from a checkpoint uses its tokenizer)"
         )
+    # The run keeps them and its export carries them: a damaged one is
+    # refused now, not when `zpp sample` or transformers reads it.
+    for name in COMPANION_FILES:
+        if name.endswith(".json") and (pathlib.Path(init) / name).is_file():
+            read_json_object(pathlib.Path(init) / name)
 
 
 def check_paths(cfg: Any) -> None:

@@ -15,7 +15,6 @@ and a cache of 2 x layers x seq_len x kv_width per sequence.
 from __future__ import annotations
 
 import functools
-import json
 import pathlib
 from collections.abc import Sequence
 
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from zpp_jax.errors import UsageError
+from zpp_jax.errors import UsageError, read_json_object
 from zpp_jax.pipeline.decoders import decoder_for, split_part
 
 # Ids `zpp sample` writes at most when not told.
@@ -118,7 +117,7 @@ def _stop_ids(directory: pathlib.Path, tokenizer, template) -> set[int]:
     stops = set()
     for name in ("config.json", "generation_config.json"):
         if (directory / name).is_file():
-            value = json.loads((directory / name).read_text()).get("eos_token_id")
+            value = read_json_object(directory / name).get("eos_token_id")
             stops.update(
                 v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)
             )

@@ -435,7 +435,8 @@ def loop(job: Job, stop: StopRequest | None = None) -> Iterator[dict]:
         last = job.position == cfg.steps
         if (cfg.eval_every and job.position % cfg.eval_every == 0) or last:
             record["val_loss"] = evaluate(job)
-            record["val_bpb"] = corpus.bits_per_byte(record["val_loss"], job.val_bytes_per_token)
+            bpb = corpus.bits_per_byte(record["val_loss"], job.val_bytes_per_token)
+            record.update({} if bpb is None else {"val_bpb": bpb})
         yield record
         if job.checkpointer and ((cfg.ckpt_every and job.position % cfg.ckpt_every == 0) or last):
             save(job)
