@@ -189,3 +189,49 @@ def test_no_communication_trains_each_replica_as_one_device_does(mesh24):
     assert [(c["kind"], c["bytes"]) for c in report["collectives"]] == [("all-gather", 8 * 4)]
     n = sum(x.size for x in jax.tree.leaves(params))
     assert 2 * 4 * n <= report["state_bytes"] <= 2 * 4 * n + 64  # parameters and momentum
+
+
+@pytest.mark.slow  # a baseline, not the engine
+@pytest.mark.parametrize("constrain", [False, True], ids=["xla-partitioned", "constrained"])
+def test_with_a_model_axis_each_parameter_is_split_as_named_and_a_step_equals_one_device(
+    constrain,
+):
+    """Plain jax.jit with FSDP over 2 x 2 data devices and tensor
+    parallelism of 2 (`JitFSDP` on a (node, local, model) mesh, the Llama's
+    names mapped by the rules): each parameter lies along `model` as its
+    names say and over the data axes on another dimension, the optimizer
+    state as its parameter, and two SGD steps equal one device's."""
+    from zpp_jax import make_mesh
+    from zpp_jax.models import Llama, LlamaConfig
+    from zpp_jax.models.names import TENSOR_PARALLEL_RULES, name_axes
+
+    cfg = LlamaConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, d_ff=64)
+    mesh, tx = make_mesh(2, 2, model=2), optax.sgd(0.5, momentum=0.9)
+    model = name_axes(Llama(cfg, nnx.Rngs(0)))
+    baseline = JitFSDP(
+        model, tx, mesh, rules=TENSOR_PARALLEL_RULES, constrain_activations=constrain
+    )
+    state = baseline.init()
+    up = state[0]["layers"][0]["mlp"]["up"]["kernel"]
+    assert up.get_value().sharding.spec == P(("node", "local"), "model")
+    momentum = state[1][0].trace["layers"][0]["mlp"]["up"]["kernel"]
+    assert momentum.get_value().sharding.spec == P(("node", "local"), "model")
+    graphdef, ref_params, ref_rest = nnx.split(Llama(cfg, nnx.Rngs(0)), nnx.Param, ...)
+    ref_opt, reference = tx.init(ref_params), _one_device_step(graphdef, ref_rest, tx)
+    for i in range(2):
+        tokens = jax.random.randint(jax.random.key(i), (8, 17), 0, 64)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        state, metrics = baseline.train_step(
+            state, jax.device_put(batch, baseline.batch_sharding())
+        )
+        ref_params, ref_opt, ref_loss = reference(ref_params, ref_opt, batch)
+        np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(state[0]), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_axis_that_no_name_maps_to_is_refused_for_the_baseline_too():
+    from zpp_jax import make_mesh
+
+    with pytest.raises(UsageError, match="no parameter's sharding names map to 'model'"):
+        JitFSDP(GPT(CFG, nnx.Rngs(0)), optax.sgd(0.1), make_mesh(2, 2, model=2))

@@ -152,7 +152,10 @@ def test_module_entry_point():
         (["launch", "--grace", "nan", "--", "train"], "argument --grace: must be a finite number"),
         (["train", "--tp", "3", "--quiet"], "--tp 3 must divide --local 4"),
         (["comm", "--tp", "3"], "--tp 3 must divide --local 4"),
-        (["comm", "--tp", "2", "--configs", "zero3", "jit"], "--tp does not yet combine with jit"),
+        (
+            ["comm", "--tp", "2", "--configs", "zero3", "nocomm"],
+            "--tp does not yet combine with nocomm",
+        ),
         (["train", "--tp", "2", "--lora", "4", "--quiet"], "--tp does not yet combine with --lora"),
         (["train", "--tp", "2", "--error-feedback"], "does not yet combine with --error-feedback"),
         (

@@ -42,7 +42,7 @@ NAMES = {
     zpp_jax.sharded: ("grad",),
     zpp_jax.overlap: ("overlap_options",),
     zpp_jax.distributed: ("initialize", "DistributedConfig"),
-    zpp_jax.baseline: ("JitFSDP", "NoCommunication", "fsdp_sharding"),
+    zpp_jax.baseline: ("JitFSDP", "NoCommunication", "fsdp_sharding", "param_shardings"),
 }
 
 

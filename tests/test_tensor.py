@@ -200,6 +200,7 @@ def _relay_as_on_a_gpu(monkeypatch):
         monkeypatch.setattr(importlib.import_module(module), "prefetches", lambda mesh: True)
 
 
+@pytest.mark.slow  # two relayed steps; test_zero3_with_tensor_parallelism_... is quick
 def test_the_gpu_order_with_tensor_parallelism_equals_one_device(one_device, monkeypatch):
     """On a GPU mesh the units relay their collectives (`ShardedLayer.relayed`,
     in `zpp.value_and_grad`) under tensor parallelism too: each rank's gathers wait on its copy of
@@ -226,6 +227,7 @@ def test_the_gpu_order_with_tensor_parallelism_equals_one_device(one_device, mon
         assert np.linalg.norm(g - want) <= 1e-5 * max(np.linalg.norm(want), floor), path
 
 
+@pytest.mark.slow  # two relayed steps; test_zero3_with_tensor_parallelism_... is quick
 def test_the_gpu_order_of_zeropp_with_tensor_parallelism_changes_no_number(monkeypatch):
     """qwZ, hpZ and qgZ relayed under TP 2 (qgZ's step inside the node
     marked per rank): the losses of 3 steps equal the unrelayed order's to

@@ -2,9 +2,11 @@
 `NamedSharding`s.
 
 `JitFSDP` trains the unmodified model with no engine code in its step:
-every parameter and optimizer-state array is sharded over all devices of the
-(`node`, `local`) mesh along its largest dimension that they divide (else
-replicated), the batch along its leading axis, and XLA's SPMD partitioner
+every parameter and optimizer-state array is sharded over the data-parallel
+devices of the (`node`, `local`) mesh along its largest dimension that they
+divide (else replicated), and on a mesh with a `model` axis also along the
+dimension its sharding names map to `model` (FSDP with tensor parallelism,
+as `zpp.shard` splits it), the batch along its leading axis, and XLA's SPMD partitioner
 inserts the collectives (all-gathers of the weights, reduce-scatters of the
 gradients) and, on a GPU, schedules them with the same options the engine
 uses (`zpp_jax.overlap.overlap_options`: latency-hiding scheduler, pipelined gathers and
@@ -27,41 +29,73 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zpp_jax.errors import UsageError, check_compute_dtype, check_optimizer
-from zpp_jax.mesh import AXES, batch_sharding, mesh_shape
+from zpp_jax.mesh import AXES, MODEL, batch_sharding, data_size, mesh_shape, model_size
+from zpp_jax.metadata import check_model_axis, model_dim
 from zpp_jax.overlap import DEFAULT_LINKS, LinkModel, check_links, overlap_options
 from zpp_jax.overlap.loops import unroll_every_loop
 from zpp_jax.program import compile_for_batch
 from zpp_jax.train import LossFn, next_token_loss
 
 
-def fsdp_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+def fsdp_sharding(
+    mesh: Mesh, shape: tuple[int, ...], model_dim: int | None = None
+) -> NamedSharding:
     """FSDP-style sharding of an array of `shape`: its largest dimension that
-    the mesh's device count divides, split over all devices (the first such
-    dimension on a tie); replicated when none is."""
-    n = mesh.size
+    the data-parallel devices divide (all of them without a `model` axis),
+    split over them (the first such dimension on a tie), and `model_dim`
+    (tensor parallelism's) over `model`; whole where none is."""
+    dims: list = [None] * len(shape)
+    if model_dim is not None:
+        dims[model_dim] = MODEL
+    n = data_size(mesh)
     for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
-        if shape[i] % n == 0:
-            return NamedSharding(mesh, P(*[AXES if j == i else None for j in range(len(shape))]))
-    return NamedSharding(mesh, P())
+        if i != model_dim and shape[i] % n == 0:
+            dims[i] = AXES
+            break
+    return NamedSharding(mesh, P(*dims) if any(d is not None for d in dims) else P())
+
+
+def param_shardings(params, mesh: Mesh, rules) -> Any:
+    """`fsdp_sharding` of each of `params` (an `nnx.State`), with a `model`
+    axis along the dimension its sharding names map to `model` through
+    `rules` (`zpp_jax.metadata.model_dim`), as `zpp.shard` splits it.
+
+    Raises:
+      UsageError: a `model` axis that no parameter's names map to, or a
+        degree that does not divide a named dimension."""
+    flat = list(nnx.to_flat_state(params))
+    dims = [model_dim(var, mesh, rules, "/".join(map(str, path))) for path, var in flat]
+    check_model_axis(dims, mesh)
+    leaves, treedef = jax.tree.flatten(params)
+    shapes = [np.shape(var.get_value()) for _, var in flat]
+    if shapes != [np.shape(x) for x in leaves]:  # both orders are the paths'
+        raise AssertionError("nnx.to_flat_state and jax.tree.flatten disagree on the order")
+    return treedef.unflatten(
+        [fsdp_sharding(mesh, shape, d) for shape, d in zip(shapes, dims, strict=True)]
+    )
 
 
 def _constrain_to_batch(tree, mesh: Mesh):
     """`tree` with every array of two or more dimensions whose leading one
-    the mesh's device count divides constrained to that axis over every
-    device, its other dimensions whole; other leaves as they are."""
-    sharding = batch_sharding(mesh)
+    the data-parallel devices divide constrained to that axis over them,
+    its other dimensions whole (with a `model` axis: left to XLA, which
+    splits them as tensor parallelism does); other leaves as they are."""
+    rest = P.UNCONSTRAINED if model_size(mesh) > 1 else None
 
     def one(x):
-        if isinstance(x, jax.Array) and x.ndim >= 2 and x.shape[0] % mesh.size == 0:
-            return jax.lax.with_sharding_constraint(x, sharding)
+        if isinstance(x, jax.Array) and x.ndim >= 2 and x.shape[0] % data_size(mesh) == 0:
+            spec = P(AXES, *[rest] * (x.ndim - 1))
+            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
         return x
 
     return jax.tree.map(one, tree)
@@ -140,9 +174,11 @@ class _PlainProgram:
         return batch_sharding(self.mesh)
 
     def check_batch_size(self, b: int) -> None:
-        """Raise UsageError unless a global batch of `b` splits over the devices."""
-        if b % self.mesh.size:
-            raise UsageError(f"global batch {b} must be a multiple of the {self.mesh.size} devices")
+        """Raise UsageError unless a global batch of `b` splits over the
+        data-parallel devices."""
+        n = data_size(self.mesh)
+        if b % n:
+            raise UsageError(f"global batch {b} must be a multiple of the {n} data devices")
 
     @staticmethod
     def steps_done(state: tuple) -> int:
@@ -174,7 +210,9 @@ class _PlainProgram:
 
 class JitFSDP(_PlainProgram):
     """``model`` trained by ``optimizer`` under plain `jax.jit`, its state
-    sharded by `fsdp_sharding`.
+    sharded by `param_shardings` (the optimizer's state of a parameter as
+    the parameter; `rules`: the logical axis rules of its sharding names,
+    default the ones in scope).
 
     A `zpp_jax.program.TrainingProgram`. The state is ``(params, opt_state,
     rest, step)``: the model's `nnx.Param`s, the optimizer's state, the
@@ -206,6 +244,7 @@ class JitFSDP(_PlainProgram):
         compute_dtype=None,
         links: LinkModel | None = DEFAULT_LINKS,
         constrain_activations: bool = False,
+        rules=None,
     ) -> None:
         params, rest = self._set_up(model, optimizer, mesh, loss_fn, compute_dtype, links)
         if constrain_activations:
@@ -213,14 +252,20 @@ class JitFSDP(_PlainProgram):
             _constrain_modules(copy, mesh)
             self._graphdef = nnx.graphdef(copy)
         opt_state = jax.eval_shape(optimizer.init, params)
-
-        def shard(a):
-            return fsdp_sharding(mesh, jnp.shape(a))
-
+        rules = rules if rules is not None else nn.get_logical_axis_rules()
+        params_sharding = param_shardings(params, mesh, rules)
         replicated = NamedSharding(mesh, P())
+        # The optimizer's state of each parameter lies as the parameter does.
+        opt_sharding = optax.tree_utils.tree_map_params(
+            optimizer,
+            lambda _, sharding: sharding,
+            opt_state,
+            params_sharding,
+            transform_non_params=lambda a: fsdp_sharding(mesh, jnp.shape(a)),
+        )
         self._shardings = (
-            jax.tree.map(shard, params),
-            jax.tree.map(shard, opt_state),
+            params_sharding,
+            opt_sharding,
             jax.tree.map(lambda a: replicated, rest),
             replicated,
         )

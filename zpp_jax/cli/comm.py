@@ -95,8 +95,9 @@ def compare(
             kw = dict(compute_dtype=compute_dtype, freeze=freeze, rules=rules)
             step = Trainer(make_model(), optax.adamw(1e-3), mesh, cfg, **kw)
             described = dataclasses.asdict(cfg)
-        else:  # a baseline's builder (`BASELINES`)
-            step = cfg(make_model(), optax.adamw(1e-3), mesh, compute_dtype=compute_dtype)
+        else:  # a baseline's builder (`BASELINES`), and its names' rules under TP
+            kw = {} if rules is None else {"rules": rules}
+            step = cfg(make_model(), optax.adamw(1e-3), mesh, compute_dtype=compute_dtype, **kw)
             described = {"baseline": name}
         report = step_report(step, {"inputs": tokens, "targets": tokens})
         reports.append(
@@ -173,7 +174,7 @@ def _check_tensor_parallel(args, model) -> tuple | None:
     if args.tp == 1:
         return None
     check_degree(args.tp, args.local)
-    other = sorted(set(args.configs) & {*BASELINES, "zeropp_ef"})
+    other = sorted(set(args.configs) & {"nocomm", "zeropp_ef"})
     if other or args.lora is not None:
         what = " and ".join(other) if other else "--lora"
         raise UsageError(f"--tp does not yet combine with {what}: drop one")
