@@ -54,6 +54,16 @@ SETTINGS = {
         ]
         for t in (2, 4, 8)
     },
+    # The Llama 7B's widths at 8 layers on 2 x 8, each degree against plain
+    # jax.jit at that degree (FSDP over the data devices, TP over `model`).
+    **{
+        f"Llama 7B, 8 layers, 2 x 8, TP {t}": [
+            *LLAMA7,
+            *["--layers", "8", "--batch", str(16 // t), "--nodes", "2", "--local", "8"],
+            *(["--tp", str(t)] if t > 1 else []),
+        ]
+        for t in (1, 2, 4)
+    },
 }
 # `zpp comm --configs` names; "nocomm" is the limit, and always compiled.
 CONFIGS = ("zero3", "zeropp", "jit", "jit_fsdp", "nocomm")
@@ -207,8 +217,10 @@ TP_NOTE = (
     'In a setting named "TP t" each node\'s 8 GPUs are 8 / t data devices times a '
     "tensor-parallel split of t (`zpp comm --tp t`): each layer's matrix multiplies are "
     "split t ways inside a node, ZeRO-3 and ZeRO++ shard and gather each split over the "
-    "data devices only, and each data group of t GPUs takes one sequence, so the global "
-    "batch is 32 / t sequences. MFU counts a GPU's share of the model FLOPs. No "
+    "data devices only (plain `jax.jit` splits each parameter along `model` as its names "
+    "say, and over the data devices as FSDP does), and each data group of t GPUs takes "
+    "one sequence, so the global batch is the GPUs / t sequences. MFU counts a GPU's "
+    "share of the model FLOPs. No "
     "no-communication step is compiled there (it would be one device's program of whole "
     "layers), so the step over it is none. NIC and NVLink GB are the bytes a GPU sends "
     "across nodes and inside its node per step. "
