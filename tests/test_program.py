@@ -38,7 +38,7 @@ def test_every_trainer_is_a_training_program(mesh24):
     for program in programs:
         assert isinstance(program, TrainingProgram), type(program).__name__
         assert program.steps_done(program.init()) == 0
-    with pytest.raises(UsageError, match="must be a multiple of the 8 devices"):
+    with pytest.raises(UsageError, match="must be a multiple of the 8 data devices"):
         programs[1].check_batch_size(12)
 
 
